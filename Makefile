@@ -29,7 +29,10 @@ model: setup  ## convert the built-in default model once (cached under $$NANOSER
 $(MATHJAX):  ## MathJax from the npm package, so the book renders math offline
 	rm -rf _static/mathjax /tmp/nanoserve-mathjax && mkdir -p /tmp/nanoserve-mathjax
 	cd /tmp/nanoserve-mathjax && npm pack --silent mathjax@3 >/dev/null && tar xzf mathjax-3*.tgz
-	mkdir -p _static && cp -r /tmp/nanoserve-mathjax/package/es5 _static/mathjax
+	mkdir -p _static/mathjax/output/chtml/fonts _static/mathjax/input/tex
+	cd /tmp/nanoserve-mathjax/package/es5 && cp tex-chtml.js $(CURDIR)/_static/mathjax/ \
+	  && cp -r output/chtml/fonts/woff-v2 $(CURDIR)/_static/mathjax/output/chtml/fonts/ \
+	  && cp -r input/tex/extensions $(CURDIR)/_static/mathjax/input/tex/
 
 bookbuild: model $(MATHJAX)
 	rm -rf _build

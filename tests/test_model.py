@@ -1,0 +1,91 @@
+import json
+
+import pytest, torch
+from nanoserve.model import CausalLM, ModelConfig
+from nanoserve.testing import hf_default_model, hf_model, tiny_hf_model, tiny_model_dir
+
+
+def ours_from_hf(hf):
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict())).eval()
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logits_match_transformers_tiny(arch):
+    hf = hf_model(tiny_model_dir(arch))
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_from_hf(hf)(ids), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers_default_model():
+    hf = hf_default_model()
+    ids = torch.tensor([1, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 6307, 314])
+    with torch.no_grad():
+        ours, ref = ours_from_hf(hf)(ids), hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_long_positions_beyond_original_context_llama3_scaling():
+    # 300 tokens > original_max_position_embeddings=64 of the tiny llama: the scaled frequencies matter
+    hf = hf_model(tiny_model_dir("llama"))
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_from_hf(hf)(ids), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
+
+
+def test_config_reads_transformers_4_and_5_keys():
+    v5 = ModelConfig.from_json(tiny_model_dir("llama"))
+    d = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    params = d.pop("rope_parameters")
+    d["rope_theta"] = params.pop("rope_theta")
+    d["rope_scaling"] = params
+    d["torch_dtype"] = d.pop("dtype", "float32")
+    v4 = ModelConfig.from_dict(d)
+    assert v4 == v5
+    assert v5.rope_scaling["rope_type"] == "llama3" and v5.rope_theta == 500000.0
+
+
+def test_config_defaults_and_qwen3_flags():
+    q = ModelConfig.from_json(tiny_model_dir("qwen3"))
+    assert q.qk_norm and q.tie_word_embeddings and q.head_dim == 32 and q.rope_scaling is None
+    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 2}
+    c = ModelConfig.from_dict(d)
+    assert c.num_key_value_heads == 2 and c.head_dim == 4 and not c.qk_norm
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MistralForCausalLM"]}, "LlamaForCausalLM, Qwen3ForCausalLM"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"hidden_size": 0}, "hidden_size=0"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+])
+def test_bad_configs_raise_value_error_naming_the_field(change, message):
+    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, **change}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(d)
+
+
+def test_input_must_be_one_sequence():
+    model = CausalLM(ModelConfig.from_json(tiny_model_dir("qwen3")))
+    with pytest.raises(ValueError, match="1-D"):
+        model(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_tied_head_shares_storage():
+    model = CausalLM(ModelConfig.from_json(tiny_model_dir("qwen3")))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    untied = CausalLM(ModelConfig.from_json(tiny_model_dir("llama")))
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_wrong_weights_are_caught():
+    # the check can fail: a model with another seed's weights is far off
+    hf, other = hf_model(tiny_model_dir("llama")), tiny_hf_model("llama", seed=1)
+    ids = torch.arange(12)
+    with torch.no_grad():
+        assert (ours_from_hf(other)(ids) - hf(ids[None]).logits[0]).abs().max() > 1e-2
