@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['kv_cache_bytes_per_token', 'causal_attention_weights', 'causal_attention_naive', 'causal_attention', 'Attention']
 
-# %% ../chapters/03_attention.ipynb #0775ba83
+# %% ../chapters/03_attention.ipynb #9e31b931
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +14,7 @@ from torch.torch_version import TorchVersion
 from .norm import RMSNorm
 from .rope import apply_rope
 
-# %% ../chapters/03_attention.ipynb #adc79b51
+# %% ../chapters/03_attention.ipynb #71fc95db
 def kv_cache_bytes_per_token(num_layers: int,  # L
                              num_kv_heads: int,  # K
                              head_dim: int,  # D
@@ -22,50 +22,51 @@ def kv_cache_bytes_per_token(num_layers: int,  # L
     "Bytes that one token's keys and values take in the KV cache, over all layers."
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
-# %% ../chapters/03_attention.ipynb #76dabe35
+# %% ../chapters/03_attention.ipynb #b57a6bc1
 def _group_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    "G = H // K, after checking that q (T, H, D) and k, v (T, K, D) fit together."
+    "G = H // K, after checking that q (T, H, D) and k, v (S, K, D) with S >= T fit together."
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"expected q (T, H, D) and k, v (T, K, D); got q {tuple(q.shape)}, "
+        raise ValueError(f"expected q (T, H, D) and k, v (S, K, D); got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    (T, H, D), (Tk, K, Dk) = q.shape, k.shape
-    if (Tk, Dk) != (T, D):
-        raise ValueError(f"k and v must have q's T={T} and D={D} (prefill of one sequence); got k {tuple(k.shape)}")
+    (T, H, D), (S, K, Dk) = q.shape, k.shape
+    if Dk != D or S < T:
+        raise ValueError(f"k and v need q's D={D} and at least its T={T} positions; got k {tuple(k.shape)}")
     if K == 0 or H % K:
         raise ValueError(f"q has H={H} heads and k, v have K={K}: H must be a multiple of K")
     return H // K
 
-# %% ../chapters/03_attention.ipynb #a8e15300
-def causal_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:  # -> (H, T, T) float32
-    "softmax(q k^T * scale + causal mask): how much query t of each head takes from position s <= t."
+# %% ../chapters/03_attention.ipynb #dbf71172
+def causal_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:  # -> (H, T, S) float32
+    "softmax(q k^T * scale + causal mask): how much query t of each head takes from each position up to its own."
     G = _group_size(q, k, k)
-    k = k.repeat_interleave(G, dim=1)  # (T, H, D): query head h reads KV head h // G
-    scores = torch.einsum("thd,shd->hts", q, k).float() * scale  # (H, T, T): query t against key s
-    T = q.shape[0]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # (T, T): True where s > t
+    k = k.repeat_interleave(G, dim=1)  # (S, H, D): query head h reads KV head h // G
+    scores = torch.einsum("thd,shd->hts", q, k).float() * scale  # (H, T, S): query t against key s
+    (T, S) = q.shape[0], k.shape[0]
+    future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1)  # True where key s is after query t
     return scores.masked_fill(future, float("-inf")).softmax(dim=-1)
 
 def causal_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    "Causal grouped-query attention written out: q (T, H, D), k and v (T, K, D) -> (T, H, D)."
+    "Causal grouped-query attention written out: q (T, H, D), k and v (S, K, D) -> (T, H, D)."
     G = _group_size(q, k, v)
-    probs = causal_attention_weights(q, k, scale).to(v.dtype)  # (H, T, T)
+    probs = causal_attention_weights(q, k, scale).to(v.dtype)  # (H, T, S)
     return torch.einsum("hts,shd->thd", probs, v.repeat_interleave(G, dim=1))  # (T, H, D)
 
-# %% ../chapters/03_attention.ipynb #0b3a1e07
+# %% ../chapters/03_attention.ipynb #b60f25c7
 _SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=...) arrived in 2.5
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    "Causal grouped-query attention by torch's fused SDPA: q (T, H, D), k and v (T, K, D) -> (T, H, D)."
+    "Causal grouped-query attention by torch's fused SDPA: q (T, H, D), k and v (S, K, D) -> (T, H, D)."
     G = _group_size(q, k, v)
-    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, T, D), (1, K, T, D): SDPA wants heads first
-    if _SDPA_GQA:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
-    else:
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (1, H, T, D)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    (T, S) = q.shape[0], k.shape[0]
+    # queries are the last T of the S positions; is_causal aligns top-left, right only when S == T
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if 1 < T < S else None
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, T, D), (1, K, S, D): SDPA wants heads first
+    if not _SDPA_GQA: k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (1, H, S, D)
+    gqa = {"enable_gqa": G > 1} if _SDPA_GQA else {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=S == T and T > 1, scale=scale, **gqa)
     return out[0].transpose(0, 1)  # (T, H, D)
 
-# %% ../chapters/03_attention.ipynb #83061341
+# %% ../chapters/03_attention.ipynb #d35d4f84
 class Attention(nn.Module):
     "Causal grouped-query self-attention over one token stream, with the projections named as in Llama/Qwen3 checkpoints."
     def __init__(self, hidden_size: int,  # E
@@ -96,7 +97,8 @@ class Attention(nn.Module):
         if self.qk_norm: q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend=causal_attention) -> torch.Tensor:  # (T, E) -> (T, E)
         q, k, v = self.qkv(x, cos, sin)
-        out = causal_attention(q, k, v, self.scale)  # (T, H, D)
+        out = attend(q, k, v, self.scale)  # (T, H, D)
         return self.o_proj(out.flatten(1))  # (T, H*D) -> (T, E)

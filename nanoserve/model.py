@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SUPPORTED_ARCHITECTURES', 'ModelConfig', 'DecoderLayer', 'Transformer', 'CausalLM']
 
-# %% ../chapters/05a_model.ipynb #c69fbdfb
+# %% ../chapters/05a_model.ipynb #8f457cf1
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, causal_attention
 from .mlp import MLP
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-# %% ../chapters/05a_model.ipynb #78c860c5
+# %% ../chapters/05a_model.ipynb #73df68e1
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
 
-# %% ../chapters/05a_model.ipynb #5548b3ff
+# %% ../chapters/05a_model.ipynb #58895737
 def _architecture(d: dict) -> str:
     "The architecture named by a config dict, from `architectures` or else `model_type`."
     archs = d.get("architectures") or []
@@ -71,7 +71,7 @@ def _rope(d: dict) -> tuple:
     if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"): scaling = None
     return theta, scaling
 
-# %% ../chapters/05a_model.ipynb #98ad884e
+# %% ../chapters/05a_model.ipynb #192c2357
 @classmethod
 def _from_dict(cls, d: dict) -> "ModelConfig":
     "A ModelConfig from the parsed config.json of a checkpoint (transformers 4.x or 5.x keys)."
@@ -102,7 +102,7 @@ def _from_json(cls, path) -> "ModelConfig":
 
 ModelConfig.from_dict, ModelConfig.from_json = _from_dict, _from_json
 
-# %% ../chapters/05a_model.ipynb #df1d9ca0
+# %% ../chapters/05a_model.ipynb #db9c4d8e
 class DecoderLayer(nn.Module):
     "One pre-norm transformer block: attention and MLP, each as a residual branch."
     def __init__(self, cfg: ModelConfig):
@@ -114,11 +114,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin):  # x (T, E), cos/sin (T, D) -> (T, E)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, attend=causal_attention):  # x (T, E), cos/sin (T, D) -> (T, E)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# %% ../chapters/05a_model.ipynb #a56ed33b
+# %% ../chapters/05a_model.ipynb #3332c76e
 class Transformer(nn.Module):
     "The decoder stack: embedding, blocks, final norm (the checkpoint's `model.` prefix)."
     def __init__(self, cfg: ModelConfig):
@@ -128,13 +128,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids, positions):  # (T,), (T,) -> (T, E)
+    def forward(self, input_ids, positions, attention=None):  # (T,), (T,) -> (T, E)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)  # (T, D) each
-        for layer in self.layers: x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, causal_attention if attention is None else attention[i])
         return self.norm(x)
 
-# %% ../chapters/05a_model.ipynb #12a9c50e
+# %% ../chapters/05a_model.ipynb #324098dd
 class CausalLM(nn.Module):
     "A decoder-only language model: token ids of one sequence in, next-token logits out."
     def __init__(self, cfg: ModelConfig):
@@ -148,7 +149,7 @@ class CausalLM(nn.Module):
         "Share the embedding matrix with the LM head when the config says so."
         if self.config.tie_word_embeddings: self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attention=None) -> torch.Tensor:
         if input_ids.dim() != 1: raise ValueError(f"input_ids must be 1-D (T,), got shape {tuple(input_ids.shape)}")
         if positions is None: positions = torch.arange(len(input_ids), device=input_ids.device)
-        return self.lm_head(self.model(input_ids, positions))  # (T, V)
+        return self.lm_head(self.model(input_ids, positions, attention))  # (T, V)

@@ -226,3 +226,20 @@ def test_fused_matches_naive_on_cuda(dtype):
     assert out.dtype == dtype and out.device.type == "cuda"
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
     torch.testing.assert_close(causal_attention_naive(q, k, v, 128**-0.5).float(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 17), (5, 17), (17, 17)])
+def test_queries_at_the_end_of_a_longer_past(T, S):
+    # a cached past: the T queries are the last T of S positions (chapter 7), mask aligned bottom-right
+    g = torch.Generator().manual_seed(T * 100 + S)
+    q, k, v = torch.randn(T, 6, 16, generator=g), torch.randn(S, 2, 16, generator=g), torch.randn(S, 2, 16, generator=g)
+    fused, naive = causal_attention(q, k, v, 0.25), causal_attention_naive(q, k, v, 0.25)
+    torch.testing.assert_close(fused, naive)
+    # the same as the last T rows of full prefill over S queries
+    full_q = torch.cat([torch.randn(S - T, 6, 16, generator=g), q])
+    torch.testing.assert_close(fused, causal_attention(full_q, k, v, 0.25)[S - T:])
+
+
+def test_fewer_keys_than_queries_is_refused():
+    with pytest.raises(ValueError, match="at least its T=5"):
+        causal_attention(torch.randn(5, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), 1.0)
