@@ -1,6 +1,11 @@
 import subprocess, sys
 
+import pytest
 from nanoserve.__main__ import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_prepare_default(capsys):
@@ -9,14 +14,50 @@ def test_prepare_default(capsys):
     assert "SmolLM2-135M-Instruct" in out and "LlamaForCausalLM, 30 layers" in out
 
 
-def test_prepare_bad_model_is_one_line_error(capsys):
-    assert main(["prepare", "/no/such/model/dir"]) == 1
+def test_prepare_bad_model_is_one_line_error_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "/no/such/model/dir"])
     err = capsys.readouterr().err.strip()
+    assert e.value.code == 2
     assert err.startswith("nanoserve prepare: error: model='/no/such/model/dir'") and "\n" not in err
 
 
 def test_python_dash_m_and_bad_flag_exit_code_2():
-    run = subprocess.run([sys.executable, "-m", "nanoserve", "prepare", "--bogus"], capture_output=True, text=True)
+    run = run_cli("prepare", "--bogus")
     assert run.returncode == 2 and "unrecognized arguments: --bogus" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "nanoserve", "--version"], capture_output=True, text=True)
+    run = run_cli("--version")
     assert run.returncode == 0 and run.stdout.startswith("nanoserve ")
+
+
+def test_generate_chat_streams_paris_with_stats():
+    run = run_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--show-stats")
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout
+    assert "TTFT" in run.stderr and "TPOT" in run.stderr and "tokens/s" in run.stderr
+
+
+def test_generate_greedy_equals_library_call():
+    import torch
+    from nanoserve.generate import generate
+    from nanoserve.loader import load_model
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.tokenizer import load_tokenizer
+    tok = load_tokenizer()
+    ids = tok.encode("The three primary colours are")
+    want = generate(load_model(), tok, ids, SamplingParams(temperature=0, max_tokens=12)).text
+    run = run_cli("generate", "--prompt", "The three primary colours are", "--temperature", "0", "--max-new-tokens", "12")
+    assert run.returncode == 0 and run.stdout == want + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_tokens=0"),
+    (["--prompt", "hi", "--top-k", "abc"], "invalid int value: 'abc'"),
+    (["--prompt", "hi", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--prompt", "hi", "--model", "/no/such/dir"], "model='/no/such/dir'"),
+    (["--temperature", "0"], "the following arguments are required: --prompt"),
+])
+def test_generate_bad_arguments_exit_2_with_one_line(args, message):
+    run = run_cli("generate", *args)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
