@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['KVCache', 'forward_cached', 'best_seconds', 'GenerationStats', 'Completion', 'StopStringGuard', 'generate']
 
-# %% ../chapters/07_kv_cache.ipynb #eaf42d21
+# %% ../chapters/07_kv_cache.ipynb #9fbce959
 import sys, time
 from dataclasses import dataclass, field
 
@@ -16,7 +16,7 @@ from .model import CausalLM, ModelConfig
 from .sampling import SamplingParams, check_stop, make_generator, sample
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-# %% ../chapters/07_kv_cache.ipynb #4b546d22
+# %% ../chapters/07_kv_cache.ipynb #7fc5b449
 class KVCache:
     "A contiguous key/value cache for one sequence: per layer, room for `max_len` positions."
     def __init__(self, cfg: ModelConfig, max_len: int, dtype=torch.float32, device="cpu"):
@@ -37,7 +37,7 @@ class KVCache:
             return causal_attention(q, self.k[layer, :end], self.v[layer, :end], scale)
         return attend
 
-# %% ../chapters/07_kv_cache.ipynb #17155bed
+# %% ../chapters/07_kv_cache.ipynb #b81bbdc6
 def forward_cached(model: CausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     "Logits (T, V) for the T new tokens `input_ids`, which continue the sequence held in `cache`."
     positions = torch.arange(cache.length, cache.length + len(input_ids), device=input_ids.device)
@@ -45,7 +45,7 @@ def forward_cached(model: CausalLM, input_ids: torch.Tensor, cache: KVCache) -> 
     cache.length += len(input_ids)
     return logits
 
-# %% ../chapters/07_kv_cache.ipynb #63f865f9
+# %% ../chapters/07_kv_cache.ipynb #0647d031
 def best_seconds(fn, repeats: int = 3) -> float:
     "The fastest of `repeats` timed calls of `fn()` after one warm-up call (synchronising CUDA)."
     def timed():
@@ -56,7 +56,7 @@ def best_seconds(fn, repeats: int = 3) -> float:
     timed()
     return min(timed() for _ in range(repeats))
 
-# %% ../chapters/07_kv_cache.ipynb #2be56fd8
+# %% ../chapters/07_kv_cache.ipynb #9d0352b2
 @dataclass
 class GenerationStats:
     "Timings of one generation, in seconds."
@@ -82,7 +82,7 @@ class Completion:
     finish_reason: str  # "stop" (eos, a stop token or a stop string) or "length" (max_tokens)
     stats: GenerationStats
 
-# %% ../chapters/07_kv_cache.ipynb #55c058f3
+# %% ../chapters/07_kv_cache.ipynb #05583efa
 class StopStringGuard:
     "Streams text while holding back the tail that could still become the start of a stop string."
     def __init__(self, params: SamplingParams, on_text):
@@ -95,7 +95,7 @@ class StopStringGuard:
         if end > self.sent and self.on_text: self.on_text(text[self.sent:end])
         self.sent = max(self.sent, end)
 
-# %% ../chapters/07_kv_cache.ipynb #992cc3eb
+# %% ../chapters/07_kv_cache.ipynb #03b204d7
 @torch.no_grad()
 def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: SamplingParams, on_text=None) -> Completion:
     "Generate one completion of `prompt_ids` with a KV cache; `on_text(piece)` receives the text as it is produced."

@@ -6,19 +6,19 @@
 __all__ = ['ROPE_TYPES', 'LLAMA3_KEYS', 'default_inv_freq', 'llama3_scale', 'rope_inv_freq', 'RotaryEmbedding', 'rotate_half',
            'apply_rope']
 
-# %% ../chapters/02_rope.ipynb #bc704e2a
+# %% ../chapters/02_rope.ipynb #b0721aaf
 import math
 
 import torch
 from torch import nn
 
-# %% ../chapters/02_rope.ipynb #c4780489
+# %% ../chapters/02_rope.ipynb #ec0dc2b9
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # (D/2,) float32
     "RoPE's inverse frequencies theta^(-2i/D), one per pair of coordinates."
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i/D
     return 1.0 / theta ** exponents
 
-# %% ../chapters/02_rope.ipynb #9f3049d6
+# %% ../chapters/02_rope.ipynb #06fbcdff
 def llama3_scale(inv_freq: torch.Tensor,  # (D/2,) unscaled inverse frequencies
                  factor: float,  # how much the slow pairs are slowed down
                  low_freq_factor: float,  # wavelengths above L / low_freq_factor are divided by factor
@@ -33,7 +33,7 @@ def llama3_scale(inv_freq: torch.Tensor,  # (D/2,) unscaled inverse frequencies
     scaled = torch.where(wavelen > L / low_freq_factor, inv_freq / factor, blended)
     return torch.where(wavelen < L / high_freq_factor, inv_freq, scaled)
 
-# %% ../chapters/02_rope.ipynb #f2985189
+# %% ../chapters/02_rope.ipynb #ab91f7b3
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -49,7 +49,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     if missing: raise ValueError(f"scaling rope_type='llama3' needs {missing}; got keys {sorted(scaling)}")
     return llama3_scale(inv_freq, **{k: scaling[k] for k in LLAMA3_KEYS})
 
-# %% ../chapters/02_rope.ipynb #b7a32365
+# %% ../chapters/02_rope.ipynb #2d2e5b84
 class RotaryEmbedding(nn.Module):
     "Cos and sin tables of rotary position embeddings for arbitrary token positions."
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
@@ -67,13 +67,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D): pair (i, i + D/2) shares angle i
         return emb.cos(), emb.sin()
 
-# %% ../chapters/02_rope.ipynb #46979869
+# %% ../chapters/02_rope.ipynb #b599031c
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
     "(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a quarter turn of every pair (i, i + D/2)."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
-# %% ../chapters/02_rope.ipynb #dfc7f2a6
+# %% ../chapters/02_rope.ipynb #ce1ae164
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (T, H, D)
     "Rotate every head of each token by its position's angles (rotate-half pairs), in x's dtype like transformers."
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # (T, 1, D): the same angles for all heads
