@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 MATHJAX := _static/mathjax/tex-chtml.js
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || echo /usr/bin/chromium)
 
-.PHONY: setup model book test pytest nbtest sync bookbuild browser serve clean
+.PHONY: setup model book test pytest nbtest sync bookbuild browser generate clean
+PROMPT ?= What is the capital of France?
 
 setup: $(STAMP)
 
@@ -34,6 +35,9 @@ $(MATHJAX):  ## MathJax from the npm package, so the book renders math offline
 	  && cp -r output/chtml/fonts/woff-v2 $(CURDIR)/_static/mathjax/output/chtml/fonts/ \
 	  && cp -r input/tex/extensions $(CURDIR)/_static/mathjax/input/tex/
 
+generate: model  ## stream one chat answer from the default model
+	$(BIN)/nanoserve generate --chat --prompt "$(PROMPT)" --temperature 0 --show-stats
+
 bookbuild: model $(MATHJAX)
 	rm -rf _build
 	$(BIN)/jupyter-book build -W --keep-going .
@@ -44,8 +48,8 @@ book: bookbuild
 pytest: model
 	$(BIN)/python -m pytest -q
 
-nbtest: model
-	$(BIN)/nbdev_test --do_print --timing
+nbtest: model  ## one notebook per core, one thread each (two torch threads per notebook oversubscribe)
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --do_print --timing
 
 sync: setup  ## the package is exactly what the notebooks export
 	$(BIN)/nbdev_export && $(BIN)/nbdev_clean

@@ -37,8 +37,8 @@ def quiet_transformers():
 # %% ../chapters/00_harness.ipynb #183d2a65
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     "A seeded random-weight transformers model of `arch` ('llama' or 'qwen3'), float32, in eval mode."
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     quiet_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in classes: raise ValueError(f"arch={arch!r}: expected one of {sorted(classes)}")
     config_cls, model_cls = classes[arch]
@@ -75,16 +75,16 @@ def reference_cache() -> Path:
 # %% ../chapters/00_harness.ipynb #b63ba304
 def hf_model(model_dir):
     "transformers' model for the checkpoint directory `model_dir`, float32, in eval mode."
-    from transformers import AutoModelForCausalLM
     quiet_transformers()
+    from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 # %% ../chapters/00_harness.ipynb #bbebe0ef
 @lru_cache(maxsize=None)
 def hf_default_model_dir() -> Path:
     "transformers' own reading of the default GGUF (model and tokenizer), saved once under the cache."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     out = reference_cache() / "SmolLM2-135M-Instruct-transformers"
     if not (out / "config.json").exists():
         gguf = default_gguf()

@@ -1,0 +1,349 @@
+"""The Triton kernels of chapter 9 against chapter 8b's reference.
+
+Without a CUDA GPU they run in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET=1 before triton is
+imported), on small shapes; with one, the same tests run compiled, and the `gpu` tests add bf16 at real model
+shapes. Tolerances: float32 1e-5 absolute; float16 and bfloat16 2e-2 absolute and relative (one unit in the last
+place of a bf16 output of magnitude 2 is 2**-7 = 0.008; on a GPU the softmax weights are also rounded to bf16
+before they multiply the values, as in FlashAttention). Every output tensor starts filled with NaN, and so does
+every cache slot a batch does not write, so an element that is not written, or a slot read that should not be,
+fails the comparison.
+"""
+import itertools
+
+import pytest
+import torch
+
+import nanoserve.kernels as kernels
+from nanoserve.kernels import (TritonPagedAttention, choose_num_splits, decode_attention_bytes, interpreting,
+                               paged_decode_attention, paged_prefill_attention, store_kv)
+from nanoserve.paged_cache import PagedAttention, PagedAttentionMetadata, PagedKVCache, paged_attention_ref, store_kv_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-2, rtol=2e-2),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def paged_batch(context_lens, q_lens, H, K, D, block_size, dtype=torch.float32, seed=0, device=DEVICE, pad=-1):
+    "A random paged batch (q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q), stored by the reference."
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-S // block_size) for S in context_lens]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()  # scattered blocks; three belong to nobody
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    k_cache = torch.full((len(perm), block_size, K, D), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    slots = [t[p // block_size] * block_size + p % block_size for t, S in zip(tables, context_lens) for p in range(S)]
+    k, v = (torch.randn(len(slots), K, D, generator=g).to(dtype).to(device) for _ in range(2))
+    store_kv_ref(k, v, k_cache, v_cache, torch.tensor(slots, device=device))
+    width = max(need) + 1
+    i32 = dict(dtype=torch.int32, device=device)
+    block_tables = torch.tensor([t + [pad] * (width - len(t)) for t in tables], **i32)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], **i32)
+    q = torch.randn(sum(q_lens), H, D, generator=g).to(dtype).to(device)
+    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, **i32), cu
+
+
+def decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=None):
+    "paged_decode_attention into a NaN-poisoned output."
+    out = torch.full_like(q, float("nan"))
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, num_splits, out=out)
+
+
+def prefill(q, k_cache, v_cache, block_tables, context_lens, cu, max_seqlen_q=None):
+    "paged_prefill_attention into a NaN-poisoned output."
+    out = torch.full_like(q, float("nan"))
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, q.shape[-1] ** -0.5,
+                                   max_seqlen_q=max_seqlen_q, out=out)
+
+
+def reference(q, k_cache, v_cache, block_tables, context_lens, cu):
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu, q.shape[-1] ** -0.5)
+
+
+def boundary_lens(b):
+    "Context lengths on and just past block boundaries, and a single token."
+    return [b, b + 1, 2 * b, 2 * b + 1, 1, 3 * b - 1]
+
+
+def test_interpreter_is_on_exactly_without_a_gpu():
+    assert interpreting() == (not torch.cuda.is_available())
+
+
+# ---- store_kv
+
+@pytest.mark.parametrize("dtype,slot_dtype", [(torch.float32, torch.int64), (torch.bfloat16, torch.int32),
+                                              (torch.float16, torch.int64)])
+def test_store_kv_matches_reference(dtype, slot_dtype):
+    g = torch.Generator().manual_seed(0)
+    T, K, D, b = 37, 2, 64, 16  # 37 tokens: three store programs, the last one partly empty
+    qkv = torch.randn(T, 6, D, generator=g).to(dtype).to(DEVICE)  # k and v as views of a fused projection
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    slots = torch.randperm(8 * b, generator=g)[:T].to(slot_dtype)
+    slots[[0, 5, 36]] = -1  # padding rows
+    pools = [tuple(torch.full((8, b, K, D), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)) for _ in range(2)]
+    store_kv(k, v, *pools[0], slots.to(DEVICE))
+    store_kv_ref(k, v, *pools[1], slots.to(DEVICE))
+    for ours, ref in zip(*pools):
+        assert torch.equal(ours.isnan(), ref.isnan())
+        assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+    assert (~pools[0][0].isnan().all(-1).all(-1)).sum().item() == T - 3  # exactly the 34 real tokens were written
+
+
+def test_store_kv_empty_is_a_no_op():
+    pool = torch.zeros(2, 16, 1, 16, device=DEVICE)
+    store_kv(torch.zeros(0, 1, 16, device=DEVICE), torch.zeros(0, 1, 16, device=DEVICE), pool, pool.clone(),
+             torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert not pool.any()
+
+
+# ---- decode
+
+@pytest.mark.parametrize("G,D,block_size,dtype", [
+    (1, 64, 16, torch.float32),
+    (2, 128, 16, torch.float32),
+    (3, 64, 32, torch.float16),
+    (4, 64, 64, torch.bfloat16),
+    (8, 128, 32, torch.float32),
+    (4, 80, 16, torch.float32),  # a head dim that is not a power of two
+])
+def test_decode_matches_reference(G, D, block_size, dtype):
+    lens = boundary_lens(block_size)
+    K = 2 if G in (1, 2, 4) else 1  # interpreter time grows with the heads: several KV heads only where cheap
+    args = paged_batch(lens, [1] * len(lens), G * K, K, D, block_size, dtype, seed=G * D + block_size)
+    out = decode(*args[:5], num_splits=1)
+    torch.testing.assert_close(out, reference(*args), **TOL[dtype])
+
+
+def test_decode_splits_equal_one_split():
+    lens = [1, 16, 17, 100, 129, 300]
+    args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=1)
+    one = decode(*args[:5], num_splits=1)
+    torch.testing.assert_close(one, reference(*args), **TOL[torch.float32])
+    for n in (2, 3, 7, None):  # 7: more splits than 64-key tiles in every sequence, so some splits are empty
+        torch.testing.assert_close(decode(*args[:5], num_splits=n), one, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_block_table_padding_is_never_read():
+    lens = boundary_lens(16)
+    for pad in (0, 10**6):  # any padding value (-1 elsewhere): positions past a context are masked before their block id is read
+        args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=2, pad=pad)
+        torch.testing.assert_close(decode(*args[:5], num_splits=2), reference(*args), **TOL[torch.float32])
+
+
+def test_decode_empty_batch():
+    q, k_cache, v_cache, bt, lens, _ = paged_batch([5], [1], 4, 2, 64, 16)
+    out = paged_decode_attention(q[:0], k_cache, v_cache, bt[:0], lens[:0], 0.125)
+    assert out.shape == (0, 4, 64)
+
+
+# ---- prefill
+
+@pytest.mark.parametrize("G,D,block_size,dtype", [
+    (1, 64, 16, torch.float32),
+    (3, 128, 32, torch.bfloat16),
+    (4, 64, 64, torch.float16),
+    (8, 64, 16, torch.float32),
+])
+def test_prefill_matches_reference(G, D, block_size, dtype):
+    b = block_size
+    # fresh prompts (q = S), continuations after cached blocks (q < S, one longer than a 64-query tile),
+    # a decode row (q = 1) and a sequence with no new tokens in this step (q = 0)
+    lens = [b, b + 1, 2 * b + 1, 3 * b, 100, 90, 7]
+    q_lens = [b, b + 1, b, 1, 70, 0, 7]
+    K = 2 if G == 1 else 1
+    args = paged_batch(lens, q_lens, G * K, K, D, b, dtype, seed=G + D + b)
+    torch.testing.assert_close(prefill(*args), reference(*args), **TOL[dtype])
+
+
+def test_prefill_max_seqlen_q_given_or_read():
+    args = paged_batch([40, 70], [40, 66], 4, 2, 64, 16, seed=3)
+    torch.testing.assert_close(prefill(*args, max_seqlen_q=66), prefill(*args))
+
+
+def test_prefill_in_chunks_equals_one_prefill():
+    "A prompt prefilled in two steps (the second continuing from cached blocks) gives the rows of one prefill."
+    S, first, H, K, D, b = 90, 37, 4, 2, 64, 16
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(S, H, D, generator=g).to(DEVICE)
+    k, v = torch.randn(2, S, K, D, generator=g).to(DEVICE)
+    table = torch.randperm(8, generator=g)[:6].int().to(DEVICE)
+    pos = torch.arange(S, device=DEVICE)
+    slots = table.long()[pos // b] * b + pos % b
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    def step(caches, start, end):  # store tokens start:end, then attend their queries over positions 0:end
+        store_kv(k[start:end], v[start:end], *caches, slots[start:end])
+        return prefill(q[start:end], *caches, table[None], torch.tensor([end], **i32), torch.tensor([0, end - start], **i32))
+    new_caches = lambda: tuple(torch.full((8, b, K, D), float("nan"), device=DEVICE) for _ in range(2))
+    whole = step(new_caches(), 0, S)
+    caches = new_caches()
+    chunks = torch.cat([step(caches, 0, first), step(caches, first, S)])
+    torch.testing.assert_close(chunks, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_with_one_query_equals_decode():
+    lens = boundary_lens(16)
+    args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=5)
+    torch.testing.assert_close(prefill(*args), decode(*args[:5], num_splits=3), atol=2e-6, rtol=1e-5)
+
+
+# ---- through the model's attention seam
+
+def test_triton_seam_matches_reference_seam():
+    "Two sequences of the tiny Llama, prefilled together then decoded together, with blocks of 4."
+    from nanoserve.block_manager import BlockManager
+    from nanoserve.loader import load_model
+    from nanoserve.testing import tiny_model_dir
+    model = load_model(tiny_model_dir("llama"), dtype=torch.float32, device=DEVICE)
+    g = torch.Generator().manual_seed(6)
+    seqs = {"a": torch.randint(0, 512, (9,), generator=g), "b": torch.randint(0, 512, (14,), generator=g)}
+    logits = {}
+    for seam in (PagedAttention, TritonPagedAttention):
+        blocks, cache = BlockManager(12, 4), PagedKVCache.from_config(model.config, 12, 4, device=DEVICE)
+        rows = []
+        for step in ({s: t[:-2] for s, t in seqs.items()}, {s: t[-2:-1] for s, t in seqs.items()}, {s: t[-1:] for s, t in seqs.items()}):
+            for s, t in step.items():
+                if s in blocks: [blocks.append_slot(s) for _ in t]
+                else: blocks.allocate(s, len(t))
+            meta = PagedAttentionMetadata.from_block_manager(blocks, list(step), [len(t) for t in step.values()], DEVICE)
+            with torch.no_grad():
+                rows.append(model(torch.cat(list(step.values())).to(DEVICE), meta.positions(), attention=seam(cache, meta)))
+        logits[seam] = torch.cat(rows)
+    torch.testing.assert_close(logits[TritonPagedAttention], logits[PagedAttention], atol=1e-5, rtol=1e-5)
+
+
+# ---- the checks can fail
+
+def test_trap_swapped_block_table_is_caught():
+    "The kernel really reads through the block table: swapping two entries of a prefill sequence changes its rows."
+    args = paged_batch([40, 33], [40, 1], 4, 2, 64, 16, seed=7)
+    q, k_cache, v_cache, bt, lens, cu = args
+    swapped = bt.clone()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    err = (prefill(q, k_cache, v_cache, swapped, lens, cu) - reference(*args))[:40].abs().max().item()
+    assert err > 0.1
+
+
+def test_trap_off_by_one_context_is_caught():
+    args = paged_batch(boundary_lens(16), [1] * 6, 4, 2, 64, 16, seed=8)
+    q, k_cache, v_cache, bt, lens, _ = args
+    assert (decode(q, k_cache, v_cache, bt, lens - 1) - reference(*args))[lens > 1].abs().max().item() > 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a trap of the CPU interpreter")
+def test_trap_interpreter_without_upcast_miscomputes_bf16(monkeypatch):
+    "Why the kernels upcast under the interpreter: told they run compiled, bf16 results are garbage."
+    args = paged_batch([20, 33], [1, 1], 4, 2, 64, 16, torch.bfloat16, seed=9)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)  # UPCAST=False ...
+    monkeypatch.setattr(kernels, "_check_devices", lambda **tensors: None)  # ... and no complaint about CPU tensors
+    err = (decode(*args[:5], num_splits=1).float() - reference(*args).float()).abs().max().item()
+    assert not err < 1  # NaN or far off
+
+
+# ---- arguments
+
+def test_bad_arguments_raise_value_errors(monkeypatch):
+    q, k_cache, v_cache, bt, lens, cu = paged_batch([20, 33], [1, 1], 4, 2, 64, 16, seed=10)
+    call = lambda **kw: paged_decode_attention(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt,
+                                                         context_lens=lens, scale=0.125), **kw})
+    cases = {
+        "q is torch.float64": dict(q=q.double()),
+        "D=64": dict(q=q[..., :32]),
+        "not a multiple": dict(q=q[:, :3]),
+        "block_tables must be": dict(block_tables=bt.long()),
+        "context_lens must be": dict(context_lens=lens[None]),
+        "B=2 sequences": dict(context_lens=lens[:1]),
+        "one shape": dict(v_cache=v_cache[:, :8]),
+        "power of two": dict(k_cache=k_cache[:, :12], v_cache=v_cache[:, :12]),
+        "num_splits=0": dict(num_splits=0),
+        "out must match": dict(out=torch.empty(2, 4, 32, device=DEVICE)),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=message):
+            call(**kwargs)
+    with pytest.raises(ValueError, match="cu_seqlens_q 3"):
+        paged_prefill_attention(q, k_cache, v_cache, bt, lens, cu[:2], 0.125)
+    with pytest.raises(ValueError, match="slot_mapping has 3 slots for 2 tokens"):
+        store_kv(k_cache[0, :2], v_cache[0, :2], k_cache, v_cache, torch.arange(3, device=DEVICE))
+    with pytest.raises(ValueError, match="the cache is torch.float32"):
+        store_kv(k_cache[0, :2].half(), v_cache[0, :2].half(), k_cache, v_cache, torch.arange(2, device=DEVICE))
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            call()
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 16384) == 1  # 2048 programs fill an H100 without splitting
+    assert choose_num_splits(64, 8, 4096) == 2
+    assert choose_num_splits(1, 8, 16384) == kernels.DECODE_MAX_SPLITS
+    assert choose_num_splits(1, 8, 512) == 2  # never shorter than DECODE_MIN_SPLIT_TOKENS
+    assert choose_num_splits(8, 8, 100) == 1
+
+
+def test_decode_attention_bytes():
+    # Llama-3.2-1B shape, batch 64 x 4096: keys and values dominate, queries and outputs are 0.05 %
+    kv = 2 * 64 * 4096 * 8 * 64 * 2
+    assert decode_attention_bytes(64, 4096, 32, 8, 64) == kv + 2 * 64 * 32 * 64 * 2
+
+
+# ---- GPU: compiled, bf16/fp16, real model shapes
+
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}  # H, K, D
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_real_shapes(shape, dtype):
+    H, K, D = SHAPES[shape]
+    lens = [1, 15, 16, 17, 511, 512, 513, 1000, 2047, 4096, 4097, 3000, 77, 129, 2500, 8191]
+    args = paged_batch(lens, [1] * len(lens), H, K, D, 16, dtype, seed=11)
+    ref = reference(*args)
+    for n in (None, 1, 8):
+        torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_prefill_real_shapes(shape, block_size):
+    H, K, D = SHAPES[shape]
+    lens, q_lens = [1000, 1000, 2000, 129, 64, 700], [1000, 700, 1, 129, 64, 3]
+    args = paged_batch(lens, q_lens, H, K, D, block_size, torch.bfloat16, seed=12)
+    torch.testing.assert_close(prefill(*args), reference(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_store_kv_many_tokens():
+    g = torch.Generator().manual_seed(13)
+    T, K, D, b = 5000, 8, 128, 16
+    k, v = torch.randn(2, T, K, D, generator=g).bfloat16().cuda()
+    slots = torch.randperm(400 * b, generator=g)[:T].cuda()
+    slots[::97] = -1
+    ours = [torch.zeros(400, b, K, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    store_kv(k, v, *ours, slots)
+    store_kv_ref(k, v, *ref, slots)
+    assert all(torch.equal(a, r) for a, r in zip(ours, ref))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_decode_in_a_cuda_graph():
+    "Decode replays in a CUDA graph (chapter 11): no host synchronisation, partials from the graph's pool."
+    H, K, D = SHAPES["llama-3.2-1b"]
+    lens = [100, 2000, 517, 16]
+    q, k_cache, v_cache, bt, ctx, cu = paged_batch(lens, [1] * 4, H, K, D, 16, torch.bfloat16, seed=14)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, k_cache, v_cache, bt, ctx, D**-0.5, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k_cache, v_cache, bt, ctx, D**-0.5, out=out)
+    q.copy_(torch.randn_like(q))
+    ctx.copy_(torch.tensor([99, 1999, 517, 9], dtype=torch.int32))
+    graph.replay()
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, bt, ctx, cu), **TOL[torch.bfloat16])
