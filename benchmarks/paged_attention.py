@@ -15,7 +15,7 @@ uniform lengths, so SDPA wastes nothing on padding), best of its backends.
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, datetime, itertools, json, math, statistics, subprocess, sys
+import argparse, datetime, itertools, json, math, os, statistics, subprocess, sys
 from pathlib import Path
 
 import torch
