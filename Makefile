@@ -9,6 +9,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MATHJAX := _static/mathjax/tex-chtml.js
+# Without an NVIDIA GPU the Triton kernels (chapter 9) run in Triton's CPU interpreter. It must be on before
+# a process first imports triton, and nbdev_test reuses worker processes across notebooks: set it here, for all.
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+export TRITON_INTERPRET ?= $(if $(HAVE_GPU),0,1)
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || echo /usr/bin/chromium)
 
 .PHONY: setup model book test pytest nbtest sync bookbuild browser generate clean
