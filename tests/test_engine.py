@@ -1,0 +1,263 @@
+"""The model runner and the engine (chapters 11a-11b): LLM.generate against transformers, with batching, preemption
+and CUDA graphs switched on and off; the engine's errors. GPU tests (marked `gpu`) run the same checks in bf16."""
+import math
+
+import pytest
+import torch
+
+from nanoserve import LLM, LLMEngine, SamplingParams
+from nanoserve.block_manager import BlockManager
+from nanoserve.loader import load_model
+from nanoserve.model_runner import EngineConfig, ModelRunner, graph_batch_sizes, prepare_inputs
+from nanoserve.scheduler import Scheduler, SchedulerOutput, Sequence
+from nanoserve.testing import hf_default_model, hf_model, tiny_model_dir
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def random_prompts(lengths=(3, 17, 40, 9, 64, 1, 33), vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt, n, device="cpu", **kw):
+    ids = torch.tensor([prompt], device=device)  # an explicit mask: else transformers masks every token equal to pad_token_id
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(max_model_len=512, num_kv_blocks=128, device="cpu")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request):
+    return request.param, tiny_model_dir(request.param)
+
+
+# --- against transformers --------------------------------------------------------------------------------------
+
+def test_default_model_batch_equals_transformers(default_llm):
+    tok = default_llm.get_tokenizer()
+    questions = ["What is the capital of France?", "Name a color.", "Count to five.", "Say hello in Spanish."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in questions]
+    outs = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    hf = hf_default_model()
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, tok.encode(p), 16)
+        assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+    assert "Paris" in outs[0].text
+
+
+def test_tiny_models_batch_equals_transformers(tiny):
+    arch, d = tiny
+    outs = LLM(d, num_kv_blocks=128, device="cpu").generate(random_prompts(), GREEDY, use_tqdm=False)
+    hf = hf_model(d)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12, eos_token_id=None) for p in random_prompts()]
+
+
+def test_one_at_a_time_and_preemption_change_nothing(tiny):
+    arch, d = tiny
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(d, num_kv_blocks=256, device="cpu").generate(random_prompts(), params, use_tqdm=False)]
+    single = LLM(d, num_kv_blocks=256, max_num_seqs=1, device="cpu")
+    assert [o.token_ids for o in single.generate(random_prompts(), params, use_tqdm=False)] == ref
+    small = LLM(d, num_kv_blocks=10, block_size=16, device="cpu")
+    outs = small.generate(random_prompts(), params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert small.llm_engine.scheduler.num_preemptions > 0 and any(o.metrics.num_preemptions for o in outs)
+    assert small.llm_engine.scheduler.blocks.num_free_blocks == 10
+
+
+# --- the API ---------------------------------------------------------------------------------------------------
+
+def test_prompt_and_params_forms(default_llm):
+    tok = default_llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    p = SamplingParams(temperature=0, max_tokens=5)
+    as_text = default_llm.generate("The capital of France is", p, use_tqdm=False)
+    as_ids = default_llm.generate(ids, p, use_tqdm=False)
+    mixed = default_llm.generate([ids, "The capital of France is"], [p, p], use_tqdm=False)
+    assert len(as_text) == len(as_ids) == 1 and as_text[0].token_ids == as_ids[0].token_ids
+    assert [o.token_ids for o in mixed] == [as_ids[0].token_ids] * 2
+    assert as_text[0].prompt == "The capital of France is" and as_ids[0].prompt is None and as_ids[0].prompt_token_ids == ids
+
+
+def test_outputs_come_back_in_input_order(default_llm):
+    lengths = [30, 2, 17, 5]  # finish in a different order than they were given
+    outs = default_llm.generate(["Hello"] * 4, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+                                use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == lengths and all(o.finish_reason == "length" for o in outs)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+
+
+def test_stop_strings_and_eos(default_llm):
+    tok = default_llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Count from 1 to 10."}], add_generation_prompt=True, tokenize=False)
+    full = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
+    assert "5" in full.text
+    cut = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop=["5"]), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index("5")]
+    paris = default_llm.generate(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                 add_generation_prompt=True, tokenize=False), SamplingParams(temperature=0, max_tokens=40),
+                                 use_tqdm=False)[0]
+    assert paris.finish_reason == "stop" and paris.token_ids[-1] in tok.stop_token_ids
+
+
+def test_logprobs(default_llm):
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
+    assert len(out.logprobs) == 4
+    for lp, token in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == token and len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the best token
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+        assert [x[1] for x in lp.top] == sorted((x[1] for x in lp.top), reverse=True)
+    assert default_llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].logprobs is None
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(default_llm):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, 3)]
+    prompts = ["Once upon a time", "The weather today", "My favourite food"]
+    together = [o.token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    alone = [default_llm.generate(p, s, use_tqdm=False)[0].token_ids for p, s in zip(prompts, params)]
+    assert together == alone and len(set(map(tuple, together))) == 3
+
+
+def test_engine_step_abort_and_metrics():
+    engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=32, device="cpu")
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", [4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {"a", "b"} and all(len(o.token_ids) == 1 and not o.finished for o in outs)
+    while True:
+        done = [o for o in engine.step() if o.finished]
+        if done: break
+    assert [o.request_id for o in done] == ["b"] and done[0].finish_reason == "length"
+    m = done[0].metrics
+    assert 0 <= m.ttft <= m.e2e and m.first_scheduled_time <= m.first_token_time and m.tpot(3) >= 0
+    held = engine.scheduler.blocks.num_used_blocks
+    assert held > 0
+    final = engine.abort("a")
+    assert final.finished and final.finish_reason == "abort" and len(final.token_ids) == 3
+    assert engine.scheduler.blocks.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.abort("a") is None and engine.step() == []
+
+
+def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
+    engine = default_llm.llm_engine
+    cases = [("", SamplingParams(), "empty"),
+             ([1, 2, 10**6], SamplingParams(), r"in \[0, 49152\)"),
+             ("Hi", SamplingParams(max_tokens=600), "exceeds max_model_len=512"),
+             ("Hi", "greedy", "must be a SamplingParams")]
+    for prompt, params, match in cases:
+        with pytest.raises(ValueError, match=match): engine.add_request(None, prompt, params)
+    with pytest.raises(ValueError, match="prompt 1: .*exceeds max_model_len"):
+        default_llm.generate(["Hi", "Hi"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=1000)], use_tqdm=False)
+    with pytest.raises(ValueError, match="3 SamplingParams for 2 prompts"):
+        default_llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts\\[1\\] is a int"):
+        default_llm.generate(["a", 5], use_tqdm=False)
+    engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already running"): engine.add_request("dup", "Hi")
+    engine.abort("dup")
+    assert not engine.has_unfinished() and engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_bad_engine_options():
+    with pytest.raises(ValueError, match="unknown engine option.*max_num_seq\\b.*valid options: dtype"):
+        LLM(tiny_model_dir("llama"), max_num_seq=4)
+    for kw, match in [(dict(block_size=12), "power of two"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                      (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(num_kv_blocks=-1), "num_kv_blocks=-1")]:
+        with pytest.raises(ValueError, match=match): EngineConfig(**kw)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLM(tiny_model_dir("llama"), max_model_len=10**6, device="cpu")
+
+
+def test_model_without_tokenizer_takes_token_ids(tmp_path):
+    import shutil
+    shutil.copy(tiny_model_dir("llama") / "config.json", tmp_path / "config.json")
+    llm = LLM(tmp_path, load_format="dummy", num_kv_blocks=16, device="cpu")
+    assert llm.get_tokenizer() is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"): llm.generate("text", use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"): llm.generate([[1]], SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+# --- the runner ------------------------------------------------------------------------------------------------
+
+def test_prepare_inputs_prefill_and_decode():
+    blocks = BlockManager(16, 4)
+    seqs = [Sequence(i, list(range(10 * i, 10 * i + n))) for i, n in enumerate([5, 1, 6])]
+    for s in seqs: blocks.allocate(s.seq_id, s.num_tokens)
+    b = prepare_inputs(SchedulerOutput(seqs, [5, 1, 6], True), blocks, "cpu")
+    assert b.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 20, 21, 22, 23, 24, 25] and not b.is_decode
+    assert b.positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5] and b.sample_rows.tolist() == [4, 5, 11]
+    for s, t in zip(seqs, [7, 8, 9]): s.output_token_ids.append(t); blocks.append_slot(s.seq_id)
+    b = prepare_inputs(SchedulerOutput(seqs, [1, 1, 1], False), blocks, "cpu")
+    assert b.input_ids.tolist() == [7, 8, 9] and b.positions.tolist() == [5, 1, 6] and b.is_decode
+    assert b.metadata.slot_mapping.tolist() == [blocks.slot_mapping(s.seq_id)[-1] for s in seqs]
+    assert b.metadata.context_lens.tolist() == [6, 2, 7] and b.sample_rows.tolist() == [0, 1, 2]
+
+
+def test_cpu_kv_pool_is_one_gib():
+    runner = ModelRunner(load_model(tiny_model_dir("llama"), device="cpu"), EngineConfig(max_model_len=256))
+    assert runner.cache.nbytes <= 2**30 < runner.cache.nbytes + 2 * runner.cache.nbytes / runner.num_blocks
+    assert "max concurrency at 256 tokens" in runner.summary() and not runner.graphs
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1] and graph_batch_sizes(5) == [1, 2, 4, 5]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 256 and sizes == sorted(set(sizes))
+
+
+# --- GPU -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
+    d = tiny_model_dir(arch)
+    prompts, params = random_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphs = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512)
+    eager = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, enforce_eager=True)
+    assert graphs.llm_engine.runner.graphs and not eager.llm_engine.runner.graphs
+    a = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    assert a == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    hf = hf_model(d).cuda()
+    assert a == [hf_greedy(hf, p, 24, device="cuda", eos_token_id=None) for p in prompts]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_graph_logits_equal_eager_logits():
+    d = tiny_model_dir("llama")
+    llm = LLM(d, dtype="bfloat16", max_num_seqs=8, max_model_len=256)
+    runner, engine = llm.llm_engine.runner, llm.llm_engine
+    for i, p in enumerate(random_prompts((5, 9, 13))): engine.add_request(i, p, SamplingParams(temperature=0, max_tokens=50))
+    engine.step()  # prefill
+    out = engine.scheduler.schedule()  # a decode step of 3, replayed on the graph of 4
+    inputs = prepare_inputs(out, engine.scheduler.blocks, runner.device)
+    replayed = runner.forward(inputs).clone()
+    graphs, runner.graphs = runner.graphs, {}
+    eager = runner.forward(inputs)
+    runner.graphs = graphs
+    torch.testing.assert_close(replayed.float(), eager.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_bf16_batched_equals_one_at_a_time_and_sizes_kv_from_memory():
+    d = tiny_model_dir("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    batched = LLM(d, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
+    runner = batched.llm_engine.runner
+    free, total = torch.cuda.mem_get_info()
+    assert runner.num_blocks > 1000 and runner.cache.nbytes < 0.5 * total
+    outs = [o.token_ids for o in batched.generate(random_prompts(), params, use_tqdm=False)]
+    del batched, runner
+    single = LLM(d, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, num_kv_blocks=512)
+    assert outs == [single.generate(p, params, use_tqdm=False)[0].token_ids for p in random_prompts()]
