@@ -89,7 +89,8 @@ def time_engine(llm: LLM, requests: list) -> dict:
     "Wall time and token rates of one LLM.generate over `requests` (after a warm-up on the first few)."
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([ids for ids, _ in requests[:4]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
-    preempted_before = llm.llm_engine.scheduler.num_preemptions
+    engine = llm.llm_engine
+    preempted_before, phases_before = engine.scheduler.num_preemptions, dict(engine.step_seconds)
     start = time.perf_counter()
     outs = llm.generate([ids for ids, _ in requests], params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -97,7 +98,8 @@ def time_engine(llm: LLM, requests: list) -> dict:
     if out_tokens != sum(n for _, n in requests): raise RuntimeError(f"the engine produced {out_tokens} tokens, not {sum(n for _, n in requests)}")
     return {"seconds": wall, "output_tokens": out_tokens, "prompt_tokens": in_tokens,
             "output_tokens_per_s": out_tokens / wall, "total_tokens_per_s": (out_tokens + in_tokens) / wall,
-            "requests_per_s": len(requests) / wall, "preemptions": llm.llm_engine.scheduler.num_preemptions - preempted_before}
+            "requests_per_s": len(requests) / wall, "preemptions": engine.scheduler.num_preemptions - preempted_before,
+            "step_seconds": {k: v - phases_before[k] for k, v in engine.step_seconds.items()}}
 
 # %% ../chapters/11c_benchmark.ipynb #ba3b7ccb
 def time_transformers(model_dir, requests: list, dtype: torch.dtype, device="cuda") -> dict:

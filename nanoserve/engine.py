@@ -67,6 +67,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     metrics: RequestMetrics
+    stream: bool = True  # report after every step, or only once finished
     text: str = ""
     logprobs: list | None = None
 
@@ -104,6 +105,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset([eos] if isinstance(eos, int) else eos or [])
         self.requests: dict = {}  # request_id -> Request, until it finishes
         self._ids = itertools.count()
+        self.step_seconds = dict.fromkeys(("schedule", "prepare_and_launch", "wait_for_gpu", "process_outputs"), 0.0)
 
     def has_unfinished(self) -> bool: return bool(self.requests)
     def __repr__(self): return f"LLMEngine({self.config.model or 'default model'}, {self.runner.summary()})"
@@ -122,7 +124,7 @@ def _prompt_token_ids(self: LLMEngine, prompt) -> list:
     return ids
 
 def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | None = None,
-                 arrival_time: float | None = None) -> str:
+                 arrival_time: float | None = None, stream: bool = True) -> str:
     "Queue a request (prompt: a string or token ids); returns its id. Raises ValueError for a request that cannot run."
     params = params or SamplingParams()
     if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -135,7 +137,7 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     self.scheduler.add(seq)  # raises if it could never fit
     detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids) if self.tokenizer else None
     self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None, detok,
-                                        make_generator(params.seed, self.runner.device), RequestMetrics(arrival),
+                                        make_generator(params.seed, self.runner.device), RequestMetrics(arrival), stream,
                                         logprobs=[] if params.logprobs is not None else None)
     return request_id
 
@@ -157,23 +159,25 @@ def _record_token(self: LLMEngine, req: Request, row: int, sampled: SamplerOutpu
         req.metrics.finished_time = time.monotonic()
 
 def _step(self: LLMEngine) -> list:
-    "Run one step of the engine; returns the RequestOutput of every request in the step (finished ones included)."
+    "Run one step of the engine; returns the RequestOutput of every streaming request in the step, and of every finished one."
+    t0 = time.perf_counter()
     out = self.scheduler.schedule()
     if not out.seqs: return []
-    now = time.monotonic()
-    for seq in out.seqs:
-        m = self.requests[seq.seq_id].metrics
-        m.first_scheduled_time = m.first_scheduled_time or now
-    sampled = self.runner.execute(out, self.scheduler.blocks, [self.requests[s.seq_id].generator for s in out.seqs])
-    self.scheduler.update(out, sampled.token_ids.tolist())  # the one device-to-host copy of the step
-    now, outputs = time.monotonic(), []
-    for row, seq in enumerate(out.seqs):
-        req = self.requests[seq.seq_id]
+    t1 = now = time.monotonic()
+    reqs = [self.requests[s.seq_id] for s in out.seqs]
+    for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+    sampled = self.runner.execute(out, self.scheduler.blocks, [r.generator for r in reqs])
+    t2 = time.perf_counter()
+    self.scheduler.update(out, sampled.token_ids.tolist())  # the one device-to-host copy: waits for the GPU
+    t3, now, outputs = time.perf_counter(), time.monotonic(), []
+    for row, (seq, req) in enumerate(zip(out.seqs, reqs)):
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.num_preemptions = seq.num_preemptions
         self._record_token(req, row, sampled)
-        outputs.append(req.output())
+        if req.stream or seq.is_finished: outputs.append(req.output())
         if seq.is_finished: del self.requests[seq.seq_id]
+    for phase, seconds in zip(self.step_seconds, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+        self.step_seconds[phase] += seconds
     return outputs
 
 LLMEngine._record_token, LLMEngine.step = _record_token, _step
@@ -222,7 +226,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
         try:
-            for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p))
+            for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p, stream=False))
         except ValueError as e:  # refuse the whole call, and leave no half-added requests behind
             for i in ids: engine.abort(i)
             raise ValueError(f"prompt {len(ids)}: {e}") from None

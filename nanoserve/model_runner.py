@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'EngineConfig', 'scheduler_config', 'BatchInputs', 'prepare_inputs',
-           'attention_backend', 'ModelRunner', 'graph_batch_sizes', 'GraphBuffers']
+           'attention_backend', 'prepare_model', 'ModelRunner', 'graph_batch_sizes', 'GraphBuffers']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
-import logging
+import itertools, logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enforce_eager: bool = False
+    fuse_ops: bool = True                 # fused Triton kernels for the small ops, on CUDA
     seed: int = 0
 
     def __post_init__(self):
@@ -81,9 +82,10 @@ def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device) -> BatchI
     meta = PagedAttentionMetadata.from_block_manager(blocks, [s.seq_id for s in out.seqs], out.num_new_tokens)
     meta = PagedAttentionMetadata(*(t.to(device, non_blocking=True) for t in
                                     (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q)))
-    cpu = torch.tensor([ids, positions], dtype=torch.long).to(device, non_blocking=True)  # (2, T): one copy
-    last_rows = torch.tensor(out.num_new_tokens).cumsum(0) - 1
-    return BatchInputs(cpu[0], cpu[1], meta, last_rows.to(device), all(n == 1 for n in out.num_new_tokens))
+    last_rows = list(itertools.accumulate(out.num_new_tokens, initial=-1))[1:]
+    host = torch.tensor(ids + positions + last_rows, dtype=torch.long).to(device, non_blocking=True)  # one copy
+    T = len(ids)
+    return BatchInputs(host[:T], host[T:2 * T], meta, host[2 * T:], all(n == 1 for n in out.num_new_tokens))
 
 # %% ../chapters/11a_model_runner.ipynb #ee0e614f
 def attention_backend(device: torch.device) -> type:
@@ -93,11 +95,18 @@ def attention_backend(device: torch.device) -> type:
         return TritonPagedAttention
     return PagedAttention
 
+def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
+    "The model in inference mode, with chapter 9b's fused kernels on CUDA when config.fuse_ops."
+    if model.lm_head.weight.device.type == "cuda" and config.fuse_ops:
+        from nanoserve.fused_ops import fuse_small_ops
+        fuse_small_ops(model)
+    return model.eval()
+
 # %% ../chapters/11a_model_runner.ipynb #7cb302f6
 class ModelRunner:
     "Runs the model over the paged KV cache, one flattened batch per step, and samples a token for each sequence."
     def __init__(self, model: CausalLM, config: EngineConfig):
-        self.model, self.config = model.eval(), config
+        self.model, self.config = prepare_model(model, config), config
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.scheduler_config = scheduler_config(config, model.config.max_position_embeddings)

@@ -1,6 +1,6 @@
 """The model runner and the engine (chapters 11a-11b): LLM.generate against transformers, with batching, preemption
 and CUDA graphs switched on and off; the engine's errors. GPU tests (marked `gpu`) run the same checks in bf16."""
-import math
+import gc
 
 import pytest
 import torch
@@ -142,6 +142,15 @@ def test_engine_step_abort_and_metrics():
     assert final.finished and final.finish_reason == "abort" and len(final.token_ids) == 3
     assert engine.scheduler.blocks.num_used_blocks == 0 and not engine.has_unfinished()
     assert engine.abort("a") is None and engine.step() == []
+    assert all(v > 0 for v in engine.step_seconds.values())
+
+
+def test_non_streaming_requests_report_only_when_finished():
+    engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=32, device="cpu")
+    engine.add_request("quiet", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), stream=False)
+    engine.add_request("loud", [4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    seen = [[o.request_id for o in engine.step()] for _ in range(5)]
+    assert seen == [["loud"], ["loud"], ["quiet", "loud"], ["loud"], ["loud"]]
 
 
 def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
@@ -221,8 +230,8 @@ def test_graph_batch_sizes():
 def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
     d = tiny_model_dir(arch)
     prompts, params = random_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    graphs = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512)
-    eager = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, enforce_eager=True)
+    graphs = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024)
+    eager = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024, enforce_eager=True)
     assert graphs.llm_engine.runner.graphs and not eager.llm_engine.runner.graphs
     a = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     assert a == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
@@ -234,7 +243,7 @@ def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
 @needs_gpu
 def test_gpu_graph_logits_equal_eager_logits():
     d = tiny_model_dir("llama")
-    llm = LLM(d, dtype="bfloat16", max_num_seqs=8, max_model_len=256)
+    llm = LLM(d, dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=256)
     runner, engine = llm.llm_engine.runner, llm.llm_engine
     for i, p in enumerate(random_prompts((5, 9, 13))): engine.add_request(i, p, SamplingParams(temperature=0, max_tokens=50))
     engine.step()  # prefill
@@ -253,6 +262,7 @@ def test_gpu_graph_logits_equal_eager_logits():
 def test_gpu_bf16_batched_equals_one_at_a_time_and_sizes_kv_from_memory():
     d = tiny_model_dir("qwen3")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    gc.collect(); torch.cuda.empty_cache()  # engines of earlier tests: the profile must see only this one
     batched = LLM(d, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
     runner = batched.llm_engine.runner
     free, total = torch.cuda.mem_get_info()
