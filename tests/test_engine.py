@@ -263,11 +263,11 @@ def test_gpu_bf16_batched_equals_one_at_a_time_and_sizes_kv_from_memory():
     d = tiny_model_dir("qwen3")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     gc.collect(); torch.cuda.empty_cache()  # engines of earlier tests: the profile must see only this one
-    batched = LLM(d, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
+    batched = LLM(d, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.5)
     runner = batched.llm_engine.runner
     free, total = torch.cuda.mem_get_info()
     assert runner.num_blocks > 1000 and runner.cache.nbytes < 0.5 * total
     outs = [o.token_ids for o in batched.generate(random_prompts(), params, use_tqdm=False)]
     del batched, runner
-    single = LLM(d, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, num_kv_blocks=512)
+    single = LLM(d, dtype="bfloat16", max_model_len=512, max_num_seqs=1, num_kv_blocks=512)
     assert outs == [single.generate(p, params, use_tqdm=False)[0].token_ids for p in random_prompts()]
