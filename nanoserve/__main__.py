@@ -95,8 +95,8 @@ def engine_options(args) -> dict:
 
 # %% ../chapters/90_cli.ipynb #47109d29
 def _print_json(result: dict, path) -> int:
-    "Print a benchmark record, and write it to `path` when given."
-    text = json.dumps(result, indent=2, default=str)
+    "Print a benchmark record, with the command that made it, and write it to `path` when given."
+    text = json.dumps({**result, "command": " ".join(["nanoserve", *sys.argv[1:]])}, indent=2, default=str)
     print(text)
     if path: open(path, "w").write(text + "\n")
     return 0
