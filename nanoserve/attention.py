@@ -69,7 +69,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 # %% ../chapters/03_attention.ipynb #d35d4f84
 class Attention(nn.Module):
     "Causal grouped-query self-attention over one token stream, with the projections named as in Llama/Qwen3 checkpoints."
-    rope = staticmethod(apply_rope)  # how q and k are rotated; chapter 9b swaps in a fused Triton kernel on a GPU
     def __init__(self, hidden_size: int,  # E
                  num_heads: int,  # H query heads
                  num_kv_heads: int,  # K key/value heads, H % K == 0
@@ -96,7 +95,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm: q, k = self.q_norm(q), self.k_norm(k)
-        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend=causal_attention) -> torch.Tensor:  # (T, E) -> (T, E)

@@ -10,6 +10,7 @@ __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'EngineConfig', 'scheduler_config', '
 import itertools, logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .block_manager import BlockManager
@@ -66,28 +67,37 @@ def scheduler_config(config: EngineConfig, model_max_len: int) -> SchedulerConfi
 @dataclass
 class BatchInputs:
     "The tensors of one step, on the model's device."
-    input_ids: torch.Tensor     # (T,) long: the new tokens of all sequences, flattened
-    positions: torch.Tensor     # (T,) long: each token's position in its sequence
-    metadata: PagedAttentionMetadata
-    sample_rows: torch.Tensor   # (B,) long: the row of each sequence's last token
+    longs: torch.Tensor         # (3, T) long: the new tokens of all sequences, flattened; their positions; their slots
+    metadata: PagedAttentionMetadata  # its slot_mapping is longs[2]
+    sample_rows: torch.Tensor   # (B,) int32: the row of each sequence's last token
     is_decode: bool             # one new token per sequence
 
-def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device) -> BatchInputs:
-    "Flatten the scheduler's batch into one token stream with its positions, slots and block tables."
-    ids, positions = [], []
+    input_ids = property(lambda self: self.longs[0])
+    positions = property(lambda self: self.longs[1])
+
+# %% ../chapters/11a_model_runner.ipynb #3c22abb1
+def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device, pad_to: int | None = None) -> BatchInputs:
+    "Flatten the scheduler's batch into one token stream with its positions, slots, block tables and context lengths."
+    ids, positions, slots, lens, tables = [], [], [], [], []
     for seq, n in zip(out.seqs, out.num_new_tokens):
         total = blocks.num_tokens(seq.seq_id)  # tokens recorded, the new ones included
         ids += [seq.last_token_id] if n == 1 else seq.token_ids[total - n:total]
         positions += range(total - n, total)
-    meta = PagedAttentionMetadata.from_block_manager(blocks, [s.seq_id for s in out.seqs], out.num_new_tokens)
-    meta = PagedAttentionMetadata(*(t.to(device, non_blocking=True) for t in
-                                    (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q)))
-    last_rows = list(itertools.accumulate(out.num_new_tokens, initial=-1))[1:]
-    host = torch.tensor(ids + positions + last_rows, dtype=torch.long).to(device, non_blocking=True)  # one copy
-    T = len(ids)
-    return BatchInputs(host[:T], host[T:2 * T], meta, host[2 * T:], all(n == 1 for n in out.num_new_tokens))
+        slots += blocks.slot_mapping(seq.seq_id, total - n, total)
+        lens.append(total)
+        tables.append(blocks.block_tables[seq.seq_id])
+    pad = 0 if pad_to is None else pad_to - len(lens)  # decode only: one token per padding row
+    ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, lens + [0] * pad
+    B, W = len(lens), max(map(len, tables))
+    cu = list(itertools.accumulate(out.num_new_tokens + [1] * pad, initial=0))
+    flat_tables = list(itertools.chain.from_iterable(t + [-1] * (W - len(t)) for t in tables)) + [-1] * (pad * W)
+    # numpy turns a long list of Python ints into an array several times faster than torch.tensor does
+    longs = torch.from_numpy(np.array([ids, positions, slots], dtype=np.int64)).to(device, non_blocking=True)  # (3, T)
+    ints = torch.from_numpy(np.array(lens + cu + flat_tables, dtype=np.int32)).to(device, non_blocking=True)  # (B + B+1 + B*W,)
+    meta = PagedAttentionMetadata(longs[2], ints[2 * B + 1:].view(B, W), ints[:B], ints[B:2 * B + 1])
+    return BatchInputs(longs, meta, meta.cu_seqlens_q[1:] - 1, all(n == 1 for n in out.num_new_tokens))
 
-# %% ../chapters/11a_model_runner.ipynb #ee0e614f
+# %% ../chapters/11a_model_runner.ipynb #36a505ea
 def attention_backend(device: torch.device) -> type:
     "The attention seam for a paged cache on `device`: Triton kernels on CUDA, the PyTorch reference elsewhere."
     if device.type == "cuda":
@@ -102,7 +112,7 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
         fuse_small_ops(model)
     return model.eval()
 
-# %% ../chapters/11a_model_runner.ipynb #7cb302f6
+# %% ../chapters/11a_model_runner.ipynb #b2fc0314
 class ModelRunner:
     "Runs the model over the paged KV cache, one flattened batch per step, and samples a token for each sequence."
     def __init__(self, model: CausalLM, config: EngineConfig):
@@ -128,24 +138,29 @@ class ModelRunner:
                 f"{self.dtype}, {self.device}); max concurrency at {self.max_model_len} tokens per sequence: "
                 f"{self.max_concurrency:.2f}x; CUDA graphs for {len(self.graphs)} batch sizes")
 
-# %% ../chapters/11a_model_runner.ipynb #b2fc0314
+# %% ../chapters/11a_model_runner.ipynb #408bd7c8
+def _graph_size(self: ModelRunner, out: SchedulerOutput) -> int | None:
+    "The captured batch size that runs this step, or None to run it eagerly (a prefill, or no graph big enough)."
+    B = len(out.seqs)
+    if out.is_prefill or not self.graphs or B > max(self.graphs): return None
+    return min(size for size in self.graphs if size >= B)
+
 @torch.inference_mode()
-def _forward(self: ModelRunner, inputs: BatchInputs) -> torch.Tensor:  # -> (B, V) logits of the sampled rows
-    "The logits of each sequence's last token: a graph replay for a captured decode batch, else an eager pass."
-    B = len(inputs.sample_rows)
-    if inputs.is_decode and self.graphs and B <= max(self.graphs): return self.replay(inputs)
+def _forward(self: ModelRunner, inputs: BatchInputs) -> torch.Tensor:  # -> (rows, V) logits of the sampled rows
+    "The logits of each sequence's last token: a graph replay for a padded decode batch, else an eager pass."
+    if len(inputs.input_ids) in self.graphs and inputs.is_decode: return self.replay(inputs)
     hidden = self.model.model(inputs.input_ids, inputs.positions, self.attention_cls(self.cache, inputs.metadata))  # (T, E)
     return self.model.lm_head(hidden[inputs.sample_rows])  # (B, V)
 
 @torch.inference_mode()
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and sample one token per sequence, on the device."
-    logits = self.forward(prepare_inputs(out, blocks, self.device))
+    logits = self.forward(prepare_inputs(out, blocks, self.device, pad_to=self.graph_size(out)))[:len(out.seqs)]
     return sample(logits, [s.params for s in out.seqs], generators)
 
-ModelRunner.forward, ModelRunner.execute = _forward, _execute
+ModelRunner.graph_size, ModelRunner.forward, ModelRunner.execute = _graph_size, _forward, _execute
 
-# %% ../chapters/11a_model_runner.ipynb #408bd7c8
+# %% ../chapters/11a_model_runner.ipynb #3a54f316
 @torch.inference_mode()
 def _profile_peak_bytes(self: ModelRunner) -> int:
     "Peak GPU memory of the largest step: a prefill at the token budget, then the sampler over max_num_seqs rows."
@@ -176,34 +191,33 @@ def _profile_num_blocks(self: ModelRunner) -> int:
 
 ModelRunner._profile_peak_bytes, ModelRunner.profile_num_blocks = _profile_peak_bytes, _profile_num_blocks
 
-# %% ../chapters/11a_model_runner.ipynb #3a54f316
+# %% ../chapters/11a_model_runner.ipynb #f66696cf
 def graph_batch_sizes(max_num_seqs: int) -> list:
     "The decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (and it)."
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
 
-# %% ../chapters/11a_model_runner.ipynb #f66696cf
+# %% ../chapters/11a_model_runner.ipynb #4e31726a
 @dataclass
 class GraphBuffers:
     "The static tensors that every captured decode graph reads."
-    input_ids: torch.Tensor     # (max_bs,) long
-    positions: torch.Tensor     # (max_bs,) long
-    slot_mapping: torch.Tensor  # (max_bs,) long, -1 on padding rows
+    longs: torch.Tensor         # (3, max_bs) long: input ids, positions, slots (-1 on padding rows)
     block_tables: torch.Tensor  # (max_bs, max_blocks) int32
     context_lens: torch.Tensor  # (max_bs,) int32, 0 on padding rows
     cu_seqlens_q: torch.Tensor  # (max_bs + 1,) int32: 0, 1, 2, ...: one query per row
 
     @classmethod
     def empty(cls, max_bs: int, max_blocks: int, device):
-        long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
-        return cls(torch.zeros(max_bs, **long), torch.zeros(max_bs, **long), torch.full((max_bs,), -1, **long),
-                   torch.zeros(max_bs, max_blocks, **i32), torch.zeros(max_bs, **i32), torch.arange(max_bs + 1, **i32))
+        i32 = dict(dtype=torch.int32, device=device)
+        longs = torch.zeros(3, max_bs, dtype=torch.long, device=device)
+        longs[2] = -1
+        return cls(longs, torch.zeros(max_bs, max_blocks, **i32), torch.zeros(max_bs, **i32), torch.arange(max_bs + 1, **i32))
 
     def metadata(self, bs: int) -> PagedAttentionMetadata:
         "Views of the first `bs` rows, as the metadata that a graph of batch size `bs` captures."
-        return PagedAttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.context_lens[:bs], self.cu_seqlens_q[:bs + 1])
+        return PagedAttentionMetadata(self.longs[2, :bs], self.block_tables[:bs], self.context_lens[:bs], self.cu_seqlens_q[:bs + 1])
 
-# %% ../chapters/11a_model_runner.ipynb #4e31726a
+# %% ../chapters/11a_model_runner.ipynb #abd7cf08
 @torch.inference_mode()
 def _capture_cuda_graphs(self: ModelRunner):
     "Record one decode step per batch size in graph_batch_sizes as a CUDA graph over the static buffers."
@@ -213,7 +227,7 @@ def _capture_cuda_graphs(self: ModelRunner):
     pool = None
     for bs in reversed(sizes):
         attention = self.attention_cls(self.cache, buf.metadata(bs))
-        def step(): return self.model.lm_head(self.model.model(buf.input_ids[:bs], buf.positions[:bs], attention))  # (bs, V)
+        def step(): return self.model.lm_head(self.model.model(buf.longs[0, :bs], buf.longs[1, :bs], attention))  # (bs, V)
         step()  # warm-up: compile and autotune outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool): logits = step()
@@ -223,20 +237,15 @@ def _capture_cuda_graphs(self: ModelRunner):
 
 ModelRunner.capture_cuda_graphs = _capture_cuda_graphs
 
-# %% ../chapters/11a_model_runner.ipynb #abd7cf08
-def _replay(self: ModelRunner, inputs: BatchInputs) -> torch.Tensor:  # -> (B, V)
-    "Run a decode step on the smallest captured graph that holds it: copy inputs in, pad, replay."
-    B, m, buf = len(inputs.input_ids), inputs.metadata, self.buffers
-    bs = min(size for size in self.graphs if size >= B)
+# %% ../chapters/11a_model_runner.ipynb #29a48270
+def _replay(self: ModelRunner, inputs: BatchInputs) -> torch.Tensor:  # -> (bs, V)
+    "Run a decode step, padded to a captured batch size, on its graph: copy the inputs in, replay."
+    bs, m, buf = len(inputs.input_ids), inputs.metadata, self.buffers
     graph, logits = self.graphs[bs]
-    buf.input_ids[:B].copy_(inputs.input_ids)
-    buf.positions[:B].copy_(inputs.positions)
-    buf.slot_mapping[:B].copy_(m.slot_mapping)
-    buf.slot_mapping[B:bs].fill_(-1)  # padding rows store nothing ...
-    buf.context_lens[:B].copy_(m.context_lens)
-    buf.context_lens[B:bs].zero_()  # ... and attend to nothing
-    buf.block_tables[:B, :m.block_tables.shape[1]].copy_(m.block_tables)
+    buf.longs[:, :bs].copy_(inputs.longs)
+    buf.context_lens[:bs].copy_(m.context_lens)
+    buf.block_tables[:bs, :m.block_tables.shape[1]].copy_(m.block_tables)
     graph.replay()
-    return logits[:B]
+    return logits
 
 ModelRunner.replay = _replay

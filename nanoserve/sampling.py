@@ -140,7 +140,7 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
     "The sampler's output for `token_ids`, with log probabilities from `logits` (B, V) if any row wants them."
     n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if n is None: return SamplerOutput(token_ids)
-    logp = logits.log_softmax(-1)  # (B, V)
+    logp = logits.float().log_softmax(-1)  # (B, V), in float32 whatever the model's dtype
     top = logp.topk(n, dim=-1)     # (B, N)
     return SamplerOutput(token_ids, logp.gather(-1, token_ids[:, None])[:, 0], top.indices, top.values)
 
@@ -149,11 +149,10 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
 def sample(logits: torch.Tensor, params: list, generators=None) -> SamplerOutput:
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator."
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
-    logits = logits.float()
-    token_ids = logits.argmax(-1)  # (B,) the greedy choice
+    token_ids = logits.argmax(-1)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
-        scaled = logits / t.temperature[:, None]
+        scaled = logits.float() / t.temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
         token_ids = torch.where(t.greedy, token_ids, exponential_race(scaled.softmax(-1), generators))

@@ -167,9 +167,9 @@ Scheduler._preempt = _preempt
 # %% ../chapters/10_scheduler.ipynb #b4eca64a
 def _schedule_decode(self: Scheduler) -> SchedulerOutput:
     "One slot for the next token of every running sequence, preempting the youngest when blocks run out."
-    scheduled, preempted, queue = [], [], list(self.running)
+    scheduled, preempted, queue = [], [], deque(self.running)
     while queue:
-        seq = queue.pop(0)  # the oldest not yet served
+        seq = queue.popleft()  # the oldest not yet served
         while not self.blocks.can_append(seq.seq_id) and queue:
             victim = self._pick_victim(queue)
             self._preempt(victim)
@@ -184,7 +184,7 @@ def _schedule_decode(self: Scheduler) -> SchedulerOutput:
             raise RuntimeError(f"{seq} cannot grow although it is alone in the pool")
     return SchedulerOutput(scheduled, [1] * len(scheduled), False, preempted)
 
-def _pick_victim(self: Scheduler, queue: list) -> Sequence:
+def _pick_victim(self: Scheduler, queue: deque) -> Sequence:
     "The sequence to preempt among those not yet served this step: the youngest."
     return queue.pop()
 

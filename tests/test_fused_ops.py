@@ -3,7 +3,7 @@ float16), on the GPU in bfloat16 (marked `gpu`), and a fused model against the u
 import pytest
 import torch
 
-from nanoserve.fused_ops import fuse_small_ops, rms_norm, rope, silu_and_mul, unfuse_small_ops
+from nanoserve.fused_ops import fuse_small_ops, merge_linears, rms_norm, rope, silu_and_mul, unfuse_small_ops
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
@@ -42,7 +42,7 @@ def test_rope_equals_apply_rope(dtype, T, H, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     g, u = torch.randn(5, 1500, device=DEVICE).to(dtype), torch.randn(5, 1500, device=DEVICE).to(dtype)
-    torch.testing.assert_close(silu_and_mul(g, u), torch.nn.functional.silu(g) * u,
+    torch.testing.assert_close(silu_and_mul(torch.cat([g, u], -1)), torch.nn.functional.silu(g) * u,
                                atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -58,10 +58,14 @@ def test_fused_model_equals_unfused(arch):
     ids = torch.randint(0, 512, (20,), device=DEVICE)
     with torch.inference_mode():
         plain = model(ids)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
         fused = fuse_small_ops(model)(ids)
+        attn = model.model.layers[0].self_attn
+        assert "qkv" in attn.__dict__ and attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # same names, same values
         again = unfuse_small_ops(model)(ids)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
-    assert torch.equal(again, plain) and "forward" not in model.model.norm.__dict__
+    assert torch.equal(again, plain) and "forward" not in model.model.norm.__dict__ and "qkv" not in attn.__dict__
 
 
 def test_bad_arguments():
@@ -69,7 +73,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"): rms_norm(x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="even D"): rope(torch.randn(2, 1, 7, device=DEVICE), *angles(2, 8))
     with pytest.raises(ValueError, match="cos and sin must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(3, 8))
-    with pytest.raises(ValueError, match="gate and up must match"): silu_and_mul(x, x[:, :4])
+    with pytest.raises(ValueError, match="even last dim"): silu_and_mul(x[:, :7])
+    with pytest.raises(ValueError, match="without bias"): merge_linears(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 
 
 @pytest.mark.gpu
@@ -80,7 +85,7 @@ def test_gpu_engine_with_and_without_fusion():
     prompts = [[1, 2, 3], list(range(10, 60)), [7] * 9]
     fused = LLM(d, dtype="bfloat16", num_kv_blocks=256, max_model_len=256)
     plain = LLM(d, dtype="bfloat16", num_kv_blocks=256, max_model_len=256, fuse_ops=False)
-    assert "rope" in fused.llm_engine.model.model.layers[0].self_attn.__dict__
-    assert "rope" not in plain.llm_engine.model.model.layers[0].self_attn.__dict__
+    assert "qkv" in fused.llm_engine.model.model.layers[0].self_attn.__dict__
+    assert "qkv" not in plain.llm_engine.model.model.layers[0].self_attn.__dict__
     a = [o.token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
     assert a == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
