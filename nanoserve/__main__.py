@@ -7,7 +7,7 @@ __all__ = ['prepare', 'sampling_params', 'run_generate', 'add_generate_parser', 
            'run_bench_throughput', 'run_bench_latency', 'add_bench_parser', 'build_parser', 'main']
 
 # %% ../chapters/90_cli.ipynb #16219d85
-import argparse, dataclasses, json, sys
+import argparse, dataclasses, json, logging, sys
 
 import torch
 
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     "Entry point of the `nanoserve` command."
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's start-up lines, on stderr
     try:
         return args.func(args)
     except ValueError as e:  # the arguments' fault: like argparse, exit code 2

@@ -88,7 +88,9 @@ def matmul_rate(device="cuda", dtype=torch.bfloat16, n: int = 8192) -> float:
 def time_engine(llm: LLM, requests: list) -> dict:
     "Wall time and token rates of one LLM.generate over `requests` (after a warm-up on the first few)."
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    llm.generate([ids for ids, _ in requests[:4]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
+    warm = requests[:4]
+    llm.generate([ids for ids, _ in warm], [SamplingParams(temperature=0, max_tokens=min(8, n), ignore_eos=True) for _, n in warm],
+                 use_tqdm=False)
     engine = llm.llm_engine
     preempted_before, phases_before = engine.scheduler.num_preemptions, dict(engine.step_seconds)
     start = time.perf_counter()
@@ -171,7 +173,7 @@ def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, b
     cfg, runner = llm.llm_engine.model.config, llm.llm_engine.runner
     prompts = [ids for ids, _ in random_requests(batch_size, (input_len, input_len), (1, 1), cfg.vocab_size, seed)]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=min(8, output_len), ignore_eos=True), use_tqdm=False)  # warm-up
     runs = []
     for _ in range(num_iters):
         start = time.perf_counter()
