@@ -1,5 +1,6 @@
 # One command builds the book, one runs every check. Both create the venv and prepare the default model.
 #   make book    -> _build/html/index.html
+#   make serve   -> an OpenAI-compatible server for the default model on 127.0.0.1:8000
 #   make test    -> pytest, nbdev_test, the notebook/package sync check, the book, a headless-browser check
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -15,7 +16,7 @@ HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 export TRITON_INTERPRET ?= $(if $(HAVE_GPU),0,1)
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || echo /usr/bin/chromium)
 
-.PHONY: setup model book test pytest nbtest sync bookbuild browser generate clean
+.PHONY: setup model book test pytest nbtest sync bookbuild browser generate serve clean
 PROMPT ?= What is the capital of France?
 
 setup: $(STAMP)
@@ -41,6 +42,9 @@ $(MATHJAX):  ## MathJax from the npm package, so the book renders math offline
 
 generate: model  ## stream one chat answer from the default model
 	$(BIN)/nanoserve generate --chat --prompt "$(PROMPT)" --temperature 0 --show-stats
+
+serve: model  ## an OpenAI-compatible server for the default model; SERVE_ARGS="--port 8001 ..." adds flags
+	$(BIN)/nanoserve serve $(SERVE_ARGS)
 
 bookbuild: model $(MATHJAX)
 	rm -rf _build

@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['prepare', 'sampling_params', 'run_generate', 'add_generate_parser', 'add_engine_args', 'engine_options',
-           'run_bench_throughput', 'run_bench_latency', 'add_bench_parser', 'build_parser', 'main']
+           'run_bench_throughput', 'run_bench_latency', 'add_bench_parser', 'run_serve', 'add_serve_parser',
+           'run_bench_serve', 'add_bench_serve_parser', 'build_parser', 'main']
 
-# %% ../chapters/90_cli.ipynb #16219d85
+# %% ../chapters/90_cli.ipynb #8e7da62b
 import argparse, dataclasses, json, logging, sys
 
 import torch
@@ -18,6 +19,8 @@ from .model_runner import EngineConfig
 from .loader import DEFAULT_MODEL, checkpoint_files, load_model, resolve_model
 from .model import ModelConfig
 from .sampling import SamplingParams
+from .serve_benchmark import format_summary, serve_benchmark
+from .server import serve
 from .tokenizer import load_tokenizer
 
 # %% ../chapters/90_cli.ipynb #a1fd9ce1
@@ -115,9 +118,9 @@ def run_bench_latency(args) -> int:
     return _print_json(latency_benchmark(args.model, args.input_len, args.output_len, args.batch_size, args.num_iters,
                                          **opts), args.output_json)
 
-# %% ../chapters/90_cli.ipynb #dd073b08
+# %% ../chapters/90_cli.ipynb #7d171fa2
 def add_bench_parser(sub):
-    "The `bench` subcommand: `bench throughput` and `bench latency`."
+    "The `bench` subcommand: `bench throughput`, `bench latency` and `bench serve`."
     bench = sub.add_parser("bench", help="benchmark the engine (JSON to stdout)").add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = bench.add_parser("throughput", help="offline throughput: random requests, all at once")
     t.add_argument("--num-prompts", type=int, default=256)
@@ -134,8 +137,64 @@ def add_bench_parser(sub):
     for p in (t, l):
         add_engine_args(p)
         p.add_argument("--output-json", default=None, help="also write the JSON record to this file")
+    add_bench_serve_parser(bench)
 
-# %% ../chapters/90_cli.ipynb #0bd2d5e3
+# %% ../chapters/90_cli.ipynb #5b3e6e99
+def run_serve(args) -> int:
+    "Serve the model until SIGTERM or Ctrl-C."
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+    return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
+                 timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level, **engine_options(args))
+
+def add_serve_parser(sub):
+    "The `serve` subcommand: the server's flags and the engine's."
+    p = sub.add_parser("serve", help="serve a model with OpenAI's API over HTTP")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help=f"local directory, hub id, or omit for {DEFAULT_MODEL}")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-waiting", type=int, default=2048, help="waiting requests beyond which new ones get 503")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                   help="seconds running requests may finish after SIGTERM before they are aborted")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+def run_bench_serve(args) -> int:
+    "Benchmark a running server (chapter 12d); JSON to stdout, a summary to stderr."
+    try:
+        res = serve_benchmark(args.base_url, args.model, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                              args.request_rate, args.burstiness, args.max_concurrency, args.goodput, args.vocab_size,
+                              args.seed, args.api_key, args.timeout)
+    except ConnectionError as e: raise RuntimeError(str(e)) from None
+    print(format_summary(res), file=sys.stderr)
+    return _print_json(res, args.output_json)
+
+def add_bench_serve_parser(bench):
+    "`bench serve`: vLLM's `bench serve` flags."
+    s = bench.add_parser("serve", help="online serving: random requests against a running server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="default: the first model the server lists")
+    s.add_argument("--num-prompts", type=int, default=1000)
+    s.add_argument("--input-len", type=int, default=1024)
+    s.add_argument("--output-len", type=int, default=128)
+    s.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    s.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default inf: all at once)")
+    s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    s.add_argument("--vocab-size", type=int, default=32000, help="random prompt token ids are drawn below this")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    s.add_argument("--output-json", default=None, help="also write the JSON record to this file")
+    s.set_defaults(func=run_bench_serve)
+
+# %% ../chapters/90_cli.ipynb #a781f5da
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve` argument parser with one subparser per subcommand."
     parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference engine, built chapter by chapter.")
@@ -145,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help=f"local directory, hub id, or omit for {DEFAULT_MODEL}")
     p.set_defaults(func=prepare)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_bench_parser(sub)
     return parser
 

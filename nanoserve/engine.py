@@ -57,6 +57,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort"
     metrics: RequestMetrics
     logprobs: list | None = None  # TokenLogprobs per generated token, when params.logprobs is set
+    error: str | None = None      # why the engine failed this request (finish_reason "abort"), if it did
 
 # %% ../chapters/11b_engine.ipynb #28ee2507
 @dataclass
@@ -70,13 +71,14 @@ class Request:
     stream: bool = True  # report after every step, or only once finished
     text: str = ""
     logprobs: list | None = None
+    error: str | None = None
 
     def output(self) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
         seq, text = self.seq, self.text
         if not seq.is_finished and seq.params.stop: text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
-                             seq.is_finished, seq.finish_reason, self.metrics, self.logprobs)
+                             seq.is_finished, seq.finish_reason, self.metrics, self.logprobs, self.error)
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -158,6 +160,12 @@ def _record_token(self: LLMEngine, req: Request, row: int, sampled: SamplerOutpu
         self.scheduler.finish(seq, done.reason)
         req.metrics.finished_time = time.monotonic()
 
+def _fail(self: LLMEngine, req: Request, error: Exception):
+    "Finish one request whose processing raised, freeing its blocks; the error goes into its output."
+    req.error = f"{type(error).__name__}: {error}"
+    if not req.seq.is_finished: self.scheduler.finish(req.seq, "abort")
+    req.metrics.finished_time = time.monotonic()
+
 def _step(self: LLMEngine) -> list:
     "Run one step of the engine; returns the RequestOutput of every streaming request in the step, and of every finished one."
     t0 = time.perf_counter()
@@ -173,14 +181,15 @@ def _step(self: LLMEngine) -> list:
     for row, (seq, req) in enumerate(zip(out.seqs, reqs)):
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.num_preemptions = seq.num_preemptions
-        self._record_token(req, row, sampled)
+        try: self._record_token(req, row, sampled)
+        except Exception as e: self._fail(req, e)  # this request fails alone
         if req.stream or seq.is_finished: outputs.append(req.output())
         if seq.is_finished: del self.requests[seq.seq_id]
     for phase, seconds in zip(self.step_seconds, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
         self.step_seconds[phase] += seconds
     return outputs
 
-LLMEngine._record_token, LLMEngine.step = _record_token, _step
+LLMEngine._record_token, LLMEngine._fail, LLMEngine.step = _record_token, _fail, _step
 
 # %% ../chapters/11b_engine.ipynb #bf1578ed
 def _abort(self: LLMEngine, request_id) -> RequestOutput | None:

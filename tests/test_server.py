@@ -1,0 +1,447 @@
+"""Chapter 12c: the OpenAI-compatible server on loopback, called through OpenAI's own client (sync and async) and raw
+HTTP: results equal LLM.generate's, streams, 100+ concurrent streams, client disconnects, an engine fault, every error
+status, a schema-driven fuzz that must find no 5xx, and SIGTERM on a `nanoserve serve` process."""
+import asyncio, shutil, signal, socket, subprocess, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.loader import DEFAULT_MODEL, resolve_model
+from nanoserve.server import make_server, run_in_thread
+from nanoserve.testing import save_tiny_model
+
+MODEL = DEFAULT_MODEL
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot", "1, 2, 3, 4,"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_MODEL_LEN = 512
+
+
+# --- servers and helpers ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served():
+    "The default model on the CPU, served from a thread of this process: (base URL, its AsyncLLMEngine)."
+    server = make_server(port=0, max_model_len=MAX_MODEL_LEN, num_kv_blocks=400, device="cpu", log_level="warning")
+    with run_in_thread(server) as url:
+        yield url, server.config.app.state.server.engine
+
+
+@pytest.fixture(scope="module")
+def url(served): return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(url): return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    "LLM.generate's greedy outputs for PROMPTS and for CHAT (rendered with the chat template)."
+    llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=128, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=True)
+    outs = llm.generate([*PROMPTS, chat_ids], greedy, use_tqdm=False)
+    return {"prompts": outs[:-1], "chat": outs[-1]}
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    "A tiny random llama with the default model's vocabulary and tokenizer (chat template included): fast to serve."
+    path = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-chat"), vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(resolve_model(None) / name, path / name)
+    return path
+
+
+def metric(url: str, name: str, **labels) -> float:
+    "The sum of the samples called `name` (with these labels) in the server's /metrics."
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return sum(s.value for f in families for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
+    "Poll /metrics until nothing runs or waits and the KV cache is empty; the last readings."
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {n: metric(url, f"nanoserve:{n}") for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+        if not any(now.values()) or time.monotonic() > deadline: return now
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the openai client: results equal LLM.generate's ---------------------------------------------------------------
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+
+def test_completions_equal_llm_generate(client, reference):
+    for prompt, ref in zip(PROMPTS, reference["prompts"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_of_token_ids(client, reference):
+    ref = reference["prompts"][0]
+    r = client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=16, temperature=0)
+    assert r.choices[0].text == ref.text
+
+
+def test_chat_equals_llm_generate_plain_and_streamed(client, reference):
+    ref = reference["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=16, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    parts = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ref.text
+    with_choices = [p for p in parts if p.choices]
+    assert with_choices[-1].choices[0].finish_reason == ref.finish_reason
+    assert all(p.choices[0].finish_reason is None for p in with_choices[:-1])
+    assert not parts[-1].choices and parts[-1].usage.completion_tokens == len(ref.token_ids)
+    assert parts[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_async_client_streams_concurrently(url, reference):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        async def complete(prompt):
+            text = ""
+            async for part in await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True):
+                text += part.choices[0].text if part.choices else ""
+            return text
+        async def chat():
+            r = await aclient.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=16, temperature=0)
+            return r.choices[0].message.content
+        return await asyncio.gather(*map(complete, PROMPTS), chat())
+    *texts, chat_text = asyncio.run(main())
+    assert texts == [ref.text for ref in reference["prompts"]]
+    assert chat_text == reference["chat"].text
+
+
+def test_stop_strings(client, reference):
+    ref = reference["prompts"][0].text
+    stop = ref[len(ref) // 2: len(ref) // 2 + 3]
+    expected = ref[:ref.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop, "never seen"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop, stream=True)
+    parts = list(streamed)
+    assert "".join(p.choices[0].text for p in parts) == expected and parts[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeds_are_reproducible(client):
+    def sample(seed, stream=False):
+        r = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0,
+                                      seed=seed, stream=stream)
+        return "".join(p.choices[0].text for p in r) if stream else r.choices[0].text
+    a = sample(7)
+    assert sample(7) == a and sample(7, stream=True) == a
+    assert sample(8) != a
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 12
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the chosen token is the most likely
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=3, stream=True))
+    tokens = [t for p in streamed for t in p.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    spoken = content[:-1] if r.choices[0].finish_reason == "stop" else content  # a stop token has a logprob but no text
+    assert "".join(c.token for c in spoken) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.bytes == list(c.token.encode()) and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_ignore_eos_and_exact_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say yes."}],
+                                       max_completion_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (40, "length")
+
+
+# --- load, disconnects and faults -----------------------------------------------------------------------------------
+
+def test_many_concurrent_streams_complete_and_leave_nothing_behind(url):
+    n = 120
+    before = metric(url, "nanoserve:generation_tokens_total")
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        async def one(i):
+            stream = await aclient.completions.create(model=MODEL, prompt=f"Request {i}: count to ten.", max_tokens=4 + i % 8,
+                                                      temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True})
+            parts = [p async for p in stream]
+            return parts[-1].usage.completion_tokens, [p.choices[0].finish_reason for p in parts if p.choices][-1]
+        return await asyncio.gather(*map(one, range(n)))
+    results = asyncio.run(main())
+    assert results == [(4 + i % 8, "length") for i in range(n)]
+    assert wait_until_idle(url) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+    assert metric(url, "nanoserve:generation_tokens_total") - before == sum(4 + i % 8 for i in range(n))
+
+
+def _long_request(stream: bool) -> dict:
+    return {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(url, client, reference):
+    aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
+    bystander = {}
+    def run_bystander():
+        bystander["text"] = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0).choices[0].text
+    with httpx.stream("POST", f"{url}/v1/completions", json=_long_request(True), timeout=60) as r:
+        events = r.iter_lines()
+        got = []
+        for line in events:
+            if line.startswith("data:"): got.append(line)
+            if len(got) == 3: break
+        thread = threading.Thread(target=run_bystander)
+        thread.start()
+    # the client has hung up after 3 of 400 tokens: the abort must free its blocks long before 400 steps could run
+    deadline = time.monotonic() + 5
+    while metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 1
+    thread.join()
+    assert bystander["text"] == reference["prompts"][0].text
+    assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
+
+
+def test_disconnect_while_waiting_for_a_plain_response_aborts(url):
+    aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=_long_request(False), timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 5
+    while metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 1
+    assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(served, client, reference):
+    url, engine = served
+    poison = [13, 13, 13, 13, 42]
+    original = engine.engine._record_token
+    def faulty(req, row, sampled):
+        if req.seq.prompt_token_ids == poison: raise RuntimeError("injected fault")
+        return original(req, row, sampled)
+    engine.engine._record_token = faulty
+    try:
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            async def healthy(prompt):
+                return (await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)).choices[0].text
+            async def poisoned_plain():
+                with pytest.raises(openai.InternalServerError) as e:
+                    await aclient.completions.create(model=MODEL, prompt=poison, max_tokens=16)
+                return e.value.body
+            async def poisoned_stream():
+                with pytest.raises(openai.APIError) as e:
+                    async for _ in await aclient.completions.create(model=MODEL, prompt=poison, max_tokens=16, stream=True): pass
+                return e.value.message
+            return await asyncio.gather(*map(healthy, PROMPTS), poisoned_plain(), poisoned_stream())
+        *texts, plain_error, stream_error = asyncio.run(main())
+    finally:
+        del engine.engine._record_token
+    assert texts == [ref.text for ref in reference["prompts"]]
+    assert plain_error["type"] == "server_error" and "injected fault" in plain_error["message"]
+    assert "injected fault" in stream_error
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0).choices[0].text == reference["prompts"][0].text
+    assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
+
+
+# --- bad input: each error status ------------------------------------------------------------------------------------
+
+C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+BAD_REQUESTS = [
+    (C, {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+    (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "hi", "n": 2}, 400, "n"),
+    (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
+    (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    (C, {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
+    (C, {"prompt": [1, 2, 10**6]}, 400, None),
+    (C, {"prompt": ["one", "two"]}, 400, "prompt"),
+    (C, {"max_tokens": 4}, 400, "prompt"),
+    (C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    (C, {"prompt": "hi", "seed": -2**70}, 400, "seed"),
+    (C, {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
+    (C, {"prompt": "hi", "model": "gpt-5"}, 404, "model"),
+    (CHAT_PATH, {"messages": []}, 400, "messages"),
+    (CHAT_PATH, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT_PATH, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT_PATH, {"messages": CHAT, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, 400, "messages"),
+    (CHAT_PATH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT_PATH, {"messages": CHAT, "model": "gpt-5"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{p[4:]}-{s}-{q}" for p, _, s, q in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(url, path, body, status, param):
+    r = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["code"] == status
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+@pytest.mark.parametrize("content,status,what", [
+    (b"{'prompt': 'hi'", 400, "not valid JSON"),
+    (b"[1, 2, 3]", 400, "not a JSON object"),
+    (b"", 400, "missing"),
+    (b'{"prompt": "\\ud800 lone surrogate"}', 400, "Unicode"),
+])
+def test_malformed_bodies(url, content, status, what):
+    r = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status and what in r.json()["error"]["message"]
+
+
+def test_unknown_paths_and_methods(url):
+    r = httpx.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{url}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_openai_client_raises_its_exceptions(client):
+    with pytest.raises(openai.NotFoundError): client.completions.create(model="gpt-5", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as e: client.completions.create(model=MODEL, prompt="hi", temperature=9)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_oversize_body_gets_413(url):
+    big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
+    r = httpx.post(f"{url}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    chunked = httpx.post(f"{url}/v1/completions", content=iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)]),
+                         headers={"content-type": "application/json"}, timeout=60)  # no Content-Length: counted as it comes
+    assert chunked.status_code == 413
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_chat_model):
+    "A server with an API key, a 4 KiB body limit, one sequence at a time and room for one waiting request."
+    server = make_server(str(tiny_chat_model), port=0, api_key="secret", max_waiting=1, max_num_seqs=1, max_request_bytes=4096,
+                         max_model_len=512, num_kv_blocks=64, device="cpu", log_level="warning")
+    with run_in_thread(server) as url: yield url
+
+
+def test_api_key_is_required_on_v1_only(guarded):
+    assert httpx.get(f"{guarded}/health").status_code == 200 and httpx.get(f"{guarded}/metrics").status_code == 200
+    for key in (None, "wrong"):
+        r = httpx.get(f"{guarded}/v1/models", headers={"authorization": f"Bearer {key}"} if key else {})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded}/v1", api_key="wrong", max_retries=0).models.list()
+    keyed = openai.OpenAI(base_url=f"{guarded}/v1", api_key="secret", max_retries=0)
+    assert keyed.completions.create(model=str(keyed.models.list().data[0].id), prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_body_limit_is_configurable(guarded):
+    r = httpx.post(f"{guarded}/v1/completions", json={"prompt": "x" * 5000}, headers={"authorization": "Bearer secret"})
+    assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+
+
+def test_overload_gets_503_with_retry_after(guarded):
+    def ask(i):
+        return httpx.post(f"{guarded}/v1/completions", json={"prompt": [1, 2, 3, i], "max_tokens": 200, "ignore_eos": True},
+                          headers={"authorization": "Bearer secret"}, timeout=120)
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(ask, range(20)))
+    codes = [r.status_code for r in replies]
+    assert set(codes) == {200, 503} and codes.count(503) >= 10, codes
+    for r in replies:
+        if r.status_code == 503: assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "service_unavailable"
+        else: assert r.json()["usage"]["completion_tokens"] == 200
+    assert wait_until_idle(guarded)["kv_cache_usage_perc"] == 0
+
+
+# --- a fuzz from the server's own OpenAPI schema ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fuzz_url(tiny_chat_model):
+    server = make_server(str(tiny_chat_model), port=0, max_model_len=128, num_kv_blocks=256, device="cpu", log_level="critical")
+    with run_in_thread(server) as url: yield url
+
+
+@pytest.mark.parametrize("mode", [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
+def test_no_generated_request_gets_a_5xx(fuzz_url, mode):
+    "Requests generated from the server's own OpenAPI schema, valid ones and invalid ones: a 5xx would be a bug."
+    schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json")
+    seen = []
+    @given(case=schema.as_strategy(mode))
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    def no_5xx(case):
+        response = case.call(timeout=60)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.status_code, response.text[:500])
+    no_5xx()
+    assert len(seen) >= 100 and (200 in seen if mode == schemathesis.GenerationMode.POSITIVE else 400 in seen)
+
+
+# --- SIGTERM ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_finishes_or_aborts_running_requests_and_exits_0():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu",
+                             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128", "--timeout-graceful-shutdown", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200: break
+            except httpx.HTTPError: pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "no start"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        short = iter(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+        long = iter(client.completions.create(model=MODEL, prompt="Write a long story.", max_tokens=450, stream=True,
+                                              extra_body={"ignore_eos": True}))
+        first_short, first_long = next(short), next(long)
+        proc.send_signal(signal.SIGTERM)
+        rest_short = list(short)  # 6 tokens finish inside the 1 s drain
+        assert 1 + len(rest_short) == 6 and rest_short[-1].choices[0].finish_reason == "length"
+        with pytest.raises(openai.APIError) as e:  # 450 tokens do not: aborted, and told so
+            for _ in long: pass
+        assert "shutting down" in e.value.message or "stopped" in e.value.message
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError): httpx.get(f"{base}/health")
+    finally:
+        if proc.poll() is None: proc.kill()
+        out = proc.stdout.read()
+    assert "Traceback" not in out, out
