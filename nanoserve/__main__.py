@@ -208,12 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     return parser
 
-# %% ../chapters/90_cli.ipynb #4869ca81
+# %% ../chapters/90_cli.ipynb #21ec862a
 def main(argv=None) -> int:
     "Entry point of the `nanoserve` command."
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's start-up lines, on stderr
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of `bench serve`
     try:
         return args.func(args)
     except ValueError as e:  # the arguments' fault: like argparse, exit code 2

@@ -217,7 +217,7 @@ def _finished(self: AsyncLLMEngine, out: RequestOutput):
 
 AsyncLLMEngine._step, AsyncLLMEngine._finished = _step, _finished
 
-# %% ../chapters/12a_async_engine.ipynb #4d3a206a
+# %% ../chapters/12a_async_engine.ipynb #cf03702a
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
@@ -229,8 +229,10 @@ def _close(self: AsyncLLMEngine):
     "On the engine thread, last thing: refuse queued adds and abort every request still held."
     self._drain_until = self._drain_until or time.monotonic()
     self._take_commands()  # adds are refused with EngineStopped now
-    for request_id in list(self._streams): self._abort_now(request_id, EngineStopped("the engine stopped"))
+    for request_id in list(self._streams): self._abort_now(request_id, EngineStopped("the engine stopped before this request finished"))
     for request_id in list(self.engine.requests): self._abort_now(request_id)
     self.stats = engine_stats(self.engine)
+    phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.engine.step_seconds.items())
+    log.info("engine stopped after %d steps (%s)", self.stats.num_steps, phases)
 
 AsyncLLMEngine.shutdown, AsyncLLMEngine._close = _shutdown, _close

@@ -151,7 +151,7 @@ class ServerMetrics:
 
     def render(self) -> bytes: return generate_latest(self.registry)
 
-# %% ../chapters/12c_server.ipynb #864e6c71
+# %% ../chapters/12c_server.ipynb #f9059c04
 def sse(payload) -> str:
     "One server-sent event: a data line (JSON, or a bare word like [DONE]) and a blank line."
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -159,7 +159,8 @@ def sse(payload) -> str:
 def failed_event(error: Exception) -> str:
     "The event that ends a stream whose request failed after its 200 was sent."
     stopped = isinstance(error, EngineStopped)
-    return sse({"error": {"message": str(error), "type": "service_unavailable" if stopped else "server_error",
+    message = f"The server is shutting down: {error}." if stopped else str(error)
+    return sse({"error": {"message": message, "type": "service_unavailable" if stopped else "server_error",
                           "param": None, "code": 503 if stopped else 500}})
 
 async def completion_events(outputs, rid: str, model: str, tokenizer, include_usage: bool):
