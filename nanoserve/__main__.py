@@ -139,14 +139,15 @@ def add_bench_parser(sub):
         p.add_argument("--output-json", default=None, help="also write the JSON record to this file")
     add_bench_serve_parser(bench)
 
-# %% ../chapters/90_cli.ipynb #5b3e6e99
+# %% ../chapters/90_cli.ipynb #54f63022
 def run_serve(args) -> int:
     "Serve the model until SIGTERM or Ctrl-C."
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
     return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
-                 timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level, **engine_options(args))
+                 timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level,
+                 engine_process=args.engine_process, **engine_options(args))
 
 def add_serve_parser(sub):
     "The `serve` subcommand: the server's flags and the engine's."
@@ -161,6 +162,8 @@ def add_serve_parser(sub):
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own (chapter 12e)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 

@@ -64,13 +64,13 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     s = engine.scheduler
     return EngineStats(s.num_running, s.num_waiting, s.blocks.usage, s.num_preemptions, s.num_steps)
 
-# %% ../chapters/12a_async_engine.ipynb #7585bf2a
+# %% ../chapters/12a_async_engine.ipynb #ed50c8fd
 class AsyncLLMEngine:
     "An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator."
-    def __init__(self, engine: LLMEngine,
+    def __init__(self, engine: LLMEngine | None,  # None in a subclass whose engine lives elsewhere (chapter 12e)
                  max_waiting: int | None = None):  # waiting requests beyond which add_request raises EngineOverloaded
         self.engine, self.max_waiting = engine, max_waiting
-        self.stats = engine_stats(engine)
+        self.stats = engine_stats(engine) if engine is not None else EngineStats()
         self.on_finished: list = []  # callbacks f(RequestOutput), run on the engine thread when a request ends
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) and ("abort", id), from any thread
         self._streams: dict = {}     # request_id -> RequestStream, of requests the engine holds; engine thread only
@@ -86,9 +86,12 @@ class AsyncLLMEngine:
         return cls(LLMEngine(model, **engine_options), max_waiting)
 
     is_running = property(lambda self: self._thread is not None and self._thread.is_alive() and self._drain_until is None)
-    def __repr__(self): return f"AsyncLLMEngine({self.engine!r}, running={self.is_running}, {self.stats})"
+    tokenizer = property(lambda self: self.engine.tokenizer)             # what a server needs to know of the engine
+    max_model_len = property(lambda self: self.engine.runner.max_model_len)
+    def _queued(self) -> int: return self._commands.qsize()             # commands sent that the engine has not taken
+    def __repr__(self): return f"{type(self).__name__}({self.engine!r}, running={self.is_running}, {self.stats})"
 
-# %% ../chapters/12a_async_engine.ipynb #34565927
+# %% ../chapters/12a_async_engine.ipynb #fb6234c9
 def _settle(future: asyncio.Future, error: BaseException | None):
     "Resolve an add_request future (on its own event loop) unless its caller has given up on it."
     if future.done(): return
@@ -99,7 +102,7 @@ async def _add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | No
                        request_id: str | None = None) -> RequestStream:
     "Queue a request (a string or token ids); its stream once the engine has taken it. Raises ValueError, EngineOverloaded or EngineStopped."
     if not self.is_running: raise EngineStopped("the engine is not running")
-    if self.max_waiting is not None and self.stats.num_waiting + self._commands.qsize() >= self.max_waiting:
+    if self.max_waiting is not None and self.stats.num_waiting + self._queued() >= self.max_waiting:
         raise EngineOverloaded(f"{self.stats.num_waiting} requests are waiting already (limit {self.max_waiting})")
     loop = asyncio.get_running_loop()
     request_id = f"request-{next(self._ids)}" if request_id is None else str(request_id)

@@ -228,7 +228,7 @@ async def final_output(outputs, request: Request) -> RequestOutput | None:
         return None
     return reader.result()
 
-# %% ../chapters/12c_server.ipynb #4a8b277b
+# %% ../chapters/12c_server.ipynb #024bb591
 class ModelNotFound(LookupError):
     "A request names a model this server does not serve (404)."
 
@@ -236,8 +236,7 @@ class OpenAIServer:
     "What the route handlers share: the async engine, the served model's name, tokenizer and context length, the metrics."
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.runner.max_model_len
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self.metrics = ServerMetrics(engine, model_name, self.max_model_len)
         self.created = int(time.time())
 
@@ -341,7 +340,7 @@ def add_error_handlers(app: FastAPI):
         return error_response(500, f"Internal server error ({type(exc).__name__}); this is a bug in nanoserve.")
     app.add_exception_handler(Exception, bug)
 
-# %% ../chapters/12c_server.ipynb #1e483e8d
+# %% ../chapters/12c_server.ipynb #9696ae5a
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0) -> FastAPI:
     "The FastAPI app that serves `engine` under `model_name`; the engine thread runs while the app does."
@@ -373,11 +372,15 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                 api_key: str | None = None, max_waiting: int = 2048, max_request_bytes: int = 8 * 2**20,
-                timeout_graceful_shutdown: float = 30.0, log_level: str = "info", **engine_options) -> DrainingServer:
-    "Load the model into an engine and wrap it in a uvicorn server (not started)."
+                timeout_graceful_shutdown: float = 30.0, log_level: str = "info", engine_process: bool = False,
+                **engine_options) -> DrainingServer:
+    "Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn server (not started)."
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
-    engine = AsyncLLMEngine.from_options(model, max_waiting=max_waiting, **engine_options)
+    if engine_process:
+        from nanoserve.engine_process import EngineProcess  # chapter 12e, which builds on this one
+        engine = EngineProcess(model, max_waiting, **engine_options)
+    else: engine = AsyncLLMEngine.from_options(model, max_waiting=max_waiting, **engine_options)
     app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events
