@@ -139,7 +139,7 @@ def add_bench_parser(sub):
         p.add_argument("--output-json", default=None, help="also write the JSON record to this file")
     add_bench_serve_parser(bench)
 
-# %% ../chapters/90_cli.ipynb #54f63022
+# %% ../chapters/90_cli.ipynb #c9545e7d
 def run_serve(args) -> int:
     "Serve the model until SIGTERM or Ctrl-C."
     if args.model_arg and args.model and args.model_arg != args.model:
@@ -162,8 +162,8 @@ def add_serve_parser(sub):
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the engine in a process of its own (chapter 12e)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own (chapter 12e; default), or in a thread of the server's")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 

@@ -6,8 +6,8 @@
 __all__ = ['log', 'EngineOverloaded', 'EngineStopped', 'RequestFailed', 'RequestStream', 'EngineStats', 'engine_stats',
            'AsyncLLMEngine']
 
-# %% ../chapters/12a_async_engine.ipynb #05cd396b
-import asyncio, itertools, logging, queue, threading, time
+# %% ../chapters/12a_async_engine.ipynb #3fac61cf
+import asyncio, collections, itertools, logging, queue, threading, time
 from dataclasses import dataclass
 
 from .engine import LLMEngine, RequestOutput
@@ -25,26 +25,37 @@ class EngineStopped(RuntimeError):
 class RequestFailed(RuntimeError):
     "The engine failed while running this request; the other requests go on."
 
-# %% ../chapters/12a_async_engine.ipynb #516161dc
+# %% ../chapters/12a_async_engine.ipynb #b4831547
+def _replaceable(item) -> bool: return isinstance(item, RequestOutput) and not item.finished
+
 class RequestStream:
     "The asyncio end of one request: the engine thread puts outputs (or an error) in, one task reads them out."
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id, self.loop = request_id, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: collections.deque = collections.deque()  # delivered, not read yet (the reader's loop only)
+        self.ready = asyncio.Event()
         self.finished = False  # the final output, or an error, has been read
 
-    def put(self, item: RequestOutput | BaseException):
-        "Called on the engine thread: hand an output or an error to the reader's event loop."
-        try: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError: pass  # the reader's loop is closed: nobody is listening any more
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        "Called on the engine thread: hand an output or an error to the reader's loop; False if that loop is closed."
+        try: self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError: return False  # nobody is listening any more
+        return True
+
+    def _deliver(self, item: RequestOutput | BaseException):
+        "On the reader's loop: queue an item. Outputs are cumulative, so a newer one replaces an unread running one."
+        if self.pending and _replaceable(self.pending[-1]) and _replaceable(item): self.pending[-1] = item
+        else: self.pending.append(item)
+        self.ready.set()
 
     def __aiter__(self): return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished: raise StopAsyncIteration
-        item = await self.queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
-            item = self.queue.get_nowait()  # outputs are cumulative: a reader that fell behind takes the newest
+        while not self.pending:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.pending.popleft()
         self.finished = isinstance(item, BaseException) or item.finished
         if isinstance(item, BaseException): raise item
         return item
@@ -64,7 +75,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     s = engine.scheduler
     return EngineStats(s.num_running, s.num_waiting, s.blocks.usage, s.num_preemptions, s.num_steps)
 
-# %% ../chapters/12a_async_engine.ipynb #ed50c8fd
+# %% ../chapters/12a_async_engine.ipynb #ef63dae0
 class AsyncLLMEngine:
     "An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator."
     def __init__(self, engine: LLMEngine | None,  # None in a subclass whose engine lives elsewhere (chapter 12e)
@@ -78,6 +89,8 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._drain_until: float | None = None  # set by shutdown: finish running requests until then
+        self._closed = False  # set, under _admission, when the engine takes no more commands
+        self._admission = threading.Lock()  # so that no add slips into the queue after the engine's last look at it
         self.error: BaseException | None = None  # what killed the engine thread, if anything did
 
     @classmethod
@@ -91,7 +104,7 @@ class AsyncLLMEngine:
     def _queued(self) -> int: return self._commands.qsize()             # commands sent that the engine has not taken
     def __repr__(self): return f"{type(self).__name__}({self.engine!r}, running={self.is_running}, {self.stats})"
 
-# %% ../chapters/12a_async_engine.ipynb #fb6234c9
+# %% ../chapters/12a_async_engine.ipynb #2e91220c
 def _settle(future: asyncio.Future, error: BaseException | None):
     "Resolve an add_request future (on its own event loop) unless its caller has given up on it."
     if future.done(): return
@@ -107,7 +120,9 @@ async def _add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | No
     loop = asyncio.get_running_loop()
     request_id = f"request-{next(self._ids)}" if request_id is None else str(request_id)
     stream, accepted = RequestStream(request_id, loop), loop.create_future()
-    self._send("add", request_id, prompt, params, stream, accepted)
+    with self._admission:
+        if self._closed: raise EngineStopped("the engine is not running")
+        self._send("add", request_id, prompt, params, stream, accepted)
     try: await accepted  # the engine thread's verdict: taken, or the ValueError of LLMEngine.add_request
     except asyncio.CancelledError:
         self.abort(request_id)  # the caller gave up while the command was in flight
@@ -165,7 +180,7 @@ def _drained(self: AsyncLLMEngine) -> bool:
 
 AsyncLLMEngine.start, AsyncLLMEngine._run, AsyncLLMEngine._drained = _start, _run, _drained
 
-# %% ../chapters/12a_async_engine.ipynb #dce92bca
+# %% ../chapters/12a_async_engine.ipynb #17dd01b1
 def _take_commands(self: AsyncLLMEngine):
     "Carry out every command that is on the queue now, then publish the engine's new state."
     while True:
@@ -181,6 +196,9 @@ def _add(self: AsyncLLMEngine, request_id: str, prompt, params, stream: RequestS
     if error is None:
         try: self.engine.add_request(request_id, prompt, params)
         except ValueError as e: error = e
+        except Exception as e:  # a bug or a device error: this request fails, the engine goes on
+            log.exception("the engine could not take request %s", request_id)
+            error = RequestFailed(f"the engine could not take this request: {type(e).__name__}: {e}")
     if error is None: self._streams[request_id] = stream
     try: stream.loop.call_soon_threadsafe(_settle, accepted, error)
     except RuntimeError: pass  # the caller's loop is gone
@@ -194,23 +212,31 @@ def _abort_now(self: AsyncLLMEngine, request_id: str, error: BaseException | Non
 
 AsyncLLMEngine._take_commands, AsyncLLMEngine._add, AsyncLLMEngine._abort_now = _take_commands, _add, _abort_now
 
-# %% ../chapters/12a_async_engine.ipynb #0cd90bbe
+# %% ../chapters/12a_async_engine.ipynb #b3eb53aa
 def _step(self: AsyncLLMEngine):
     "One engine step; its outputs go to their streams. A failed step fails the running batch only."
     try: outputs = self.engine.step()
     except Exception as e:
         log.exception("an engine step failed; failing the requests of its batch")
-        error = RequestFailed(f"the engine failed while running this request: {type(e).__name__}: {e}")
-        for seq in list(self.engine.scheduler.running): self._abort_now(seq.seq_id, error)
+        self._fail_batch(RequestFailed(f"the engine failed while running this request: {type(e).__name__}: {e}"))
         outputs = []
     self.stats = engine_stats(self.engine)  # before the outputs go out: a reader that sees its end sees the freed blocks
     for out in outputs:
         stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(RequestFailed(f"the engine failed while running this request: {out.error}") if out.error else out)
+        delivered = stream is not None and stream.put(
+            RequestFailed(f"the engine failed while running this request: {out.error}") if out.error else out)
         if out.finished:
             self._streams.pop(out.request_id, None)
             self._finished(out)
+        elif stream is not None and not delivered: self._abort_now(out.request_id)  # its reader's loop has closed
+
+def _fail_batch(self: AsyncLLMEngine, error: RequestFailed):
+    "After a failed step: abort the running requests with `error`, and end the streams of any that the step finished."
+    for seq in list(self.engine.scheduler.running):
+        try: self._abort_now(seq.seq_id, error)
+        except Exception: log.exception("aborting %s after a failed step failed too", seq.seq_id)
+    for request_id in [r for r in self._streams if r not in self.engine.requests]:  # finished, but the output was lost
+        self._streams.pop(request_id).put(error)
 
 def _finished(self: AsyncLLMEngine, out: RequestOutput):
     "Tell the on_finished callbacks (the server's metrics) about a request that ended; their errors are only logged."
@@ -218,9 +244,9 @@ def _finished(self: AsyncLLMEngine, out: RequestOutput):
         try: callback(out)
         except Exception: log.exception("an on_finished callback failed")
 
-AsyncLLMEngine._step, AsyncLLMEngine._finished = _step, _finished
+AsyncLLMEngine._step, AsyncLLMEngine._fail_batch, AsyncLLMEngine._finished = _step, _fail_batch, _finished
 
-# %% ../chapters/12a_async_engine.ipynb #cf03702a
+# %% ../chapters/12a_async_engine.ipynb #d629c911
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
@@ -230,8 +256,10 @@ def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
 
 def _close(self: AsyncLLMEngine):
     "On the engine thread, last thing: refuse queued adds and abort every request still held."
-    self._drain_until = self._drain_until or time.monotonic()
-    self._take_commands()  # adds are refused with EngineStopped now
+    with self._admission:  # no add can be queued after this
+        self._closed = True
+        self._drain_until = self._drain_until or time.monotonic()
+        self._take_commands()  # adds are refused with EngineStopped now
     for request_id in list(self._streams): self._abort_now(request_id, EngineStopped("the engine stopped before this request finished"))
     for request_id in list(self.engine.requests): self._abort_now(request_id)
     self.stats = engine_stats(self.engine)

@@ -59,7 +59,7 @@ class RequestOutput:
     logprobs: list | None = None  # TokenLogprobs per generated token, when params.logprobs is set
     error: str | None = None      # why the engine failed this request (finish_reason "abort"), if it did
 
-# %% ../chapters/11b_engine.ipynb #28ee2507
+# %% ../chapters/11b_engine.ipynb #2571dedb
 @dataclass
 class Request:
     "The engine's record of one request: its sequence, its text so far and its bookkeeping."
@@ -78,7 +78,8 @@ class Request:
         seq, text = self.seq, self.text
         if not seq.is_finished and seq.params.stop: text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
-                             seq.is_finished, seq.finish_reason, self.metrics, self.logprobs, self.error)
+                             seq.is_finished, seq.finish_reason, self.metrics,
+                             None if self.logprobs is None else list(self.logprobs), self.error)  # a snapshot, as the ids
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -112,7 +113,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool: return bool(self.requests)
     def __repr__(self): return f"LLMEngine({self.config.model or 'default model'}, {self.runner.summary()})"
 
-# %% ../chapters/11b_engine.ipynb #e215d9f3
+# %% ../chapters/11b_engine.ipynb #a7005a6f
 def _prompt_token_ids(self: LLMEngine, prompt) -> list:
     "The token ids of a prompt given as a string or as token ids, checked against the vocabulary."
     if isinstance(prompt, str):
@@ -136,11 +137,11 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     ids = self._prompt_token_ids(prompt)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(request_id, ids, params, arrival)
-    self.scheduler.add(seq)  # raises if it could never fit
     detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids) if self.tokenizer else None
-    self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None, detok,
-                                        make_generator(params.seed, self.runner.device), RequestMetrics(arrival), stream,
-                                        logprobs=[] if params.logprobs is not None else None)
+    request = Request(seq, prompt if isinstance(prompt, str) else None, detok, make_generator(params.seed, self.runner.device),
+                      RequestMetrics(arrival), stream, logprobs=[] if params.logprobs is not None else None)
+    self.scheduler.add(seq)  # raises if it could never fit; last, so that a request is in both places or in neither
+    self.requests[request_id] = request
     return request_id
 
 LLMEngine._prompt_token_ids, LLMEngine.add_request = _prompt_token_ids, _add_request

@@ -60,13 +60,14 @@ class OutputAssembly:
                              d.finished, d.finish_reason, d.metrics or RequestMetrics(self.arrival_time),
                              None if self.logprobs is None else list(self.logprobs), d.error)
 
-# %% ../chapters/12e_engine_process.ipynb #7a3bde2f
+# %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:
     "Chapter 12a's engine loop in the engine process: commands arrive on a pipe, and one message per pass goes back."
     def __init__(self, engine: LLMEngine, conn):
         self.engine, self.conn, self.tracker = engine, conn, DeltaTracker()
         self.outbox: list = []                  # what this pass will send, in order
         self.drain_until: float | None = None   # set by the shutdown command
+        self.taken: set = set()                 # ids of the requests taken and not yet finished
 
     def run(self):
         "Take commands, step while there is work, wait on the pipe while there is none; until drained."
@@ -93,13 +94,17 @@ class EngineLoop:
         if self.drain_until is not None: return self.outbox.append(("verdict", request_id, "stopped", "the engine is shutting down", None))
         try: self.engine.add_request(request_id, prompt, params)
         except ValueError as e: return self.outbox.append(("verdict", request_id, "invalid", str(e), None))
+        except Exception as e:  # a bug or a device error: this request fails, the engine goes on
+            log.exception("the engine could not take request %s", request_id)
+            return self.outbox.append(("verdict", request_id, "failed", f"the engine could not take this request: {type(e).__name__}: {e}", None))
+        self.taken.add(request_id)
         seq = self.engine.requests[request_id].seq
         self.outbox.append(("verdict", request_id, None, seq.arrival_time, seq.prompt_token_ids))
 
     def abort(self, request_id: str, error: tuple | None = None):
         "Abort a request, freeing its blocks; its final delta goes out with `error` ((kind, message)), if given."
         out = self.engine.abort(request_id)
-        if out is not None: self.outbox.append(("output", self.tracker.delta(out), error))
+        if out is not None: self.send_output(out, error)
 
     def shutdown(self, timeout: float): self.drain_until = time.monotonic() + timeout
 
@@ -110,8 +115,15 @@ class EngineLoop:
             log.exception("an engine step failed; failing the requests of its batch")
             error = ("failed", f"the engine failed while running this request: {type(e).__name__}: {e}")
             for seq in list(self.engine.scheduler.running): self.abort(seq.seq_id, error)
+            for request_id in self.taken - self.engine.requests.keys():  # finished in the failed step; its output is lost
+                self.taken.discard(request_id)
+                self.outbox.append(("lost", request_id, error[1]))
             return
-        self.outbox += [("output", self.tracker.delta(out), None) for out in outputs]
+        for out in outputs: self.send_output(out)
+
+    def send_output(self, out: RequestOutput, error: tuple | None = None):
+        if out.finished: self.taken.discard(out.request_id)
+        self.outbox.append(("output", self.tracker.delta(out), error))
 
     def flush(self):
         "Send this pass's messages, the engine's state first."
@@ -135,7 +147,7 @@ def engine_process_main(conn, model, engine_options: dict):
     conn.send([("ready", engine.runner.max_model_len, engine.runner.summary())])
     EngineLoop(engine, conn).run()
 
-# %% ../chapters/12e_engine_process.ipynb #ef37d176
+# %% ../chapters/12e_engine_process.ipynb #39daed53
 class EngineProcess(AsyncLLMEngine):
     "AsyncLLMEngine's interface with the engine in a child process; only commands and output deltas cross."
     tokenizer, max_model_len = None, 0   # instance attributes here (the base class reads them from its engine)
@@ -150,7 +162,7 @@ class EngineProcess(AsyncLLMEngine):
         child_end.close()
         self._pending: dict = {}     # request_id -> (stream, future, prompt): adds sent, verdict not back yet
         self._assemblies: dict = {}  # request_id -> OutputAssembly, of requests the engine holds
-        self._send_lock = threading.Lock()
+        self._send_lock, self._shutdown_lock = threading.Lock(), threading.Lock()
         self.step_seconds: dict = {}
         self.max_model_len, self.summary = self._wait_until_ready()
         self.tokenizer = _tokenizer_or_none(model)
@@ -188,7 +200,7 @@ class EngineProcess(AsyncLLMEngine):
             if command == "add": self._pending.pop(args[0], None)
             if command != "abort": raise EngineStopped("the engine process is not running") from None
 
-# %% ../chapters/12e_engine_process.ipynb #2fe70da3
+# %% ../chapters/12e_engine_process.ipynb #6a925c31
 def _start(self: EngineProcess) -> EngineProcess:
     "Start the thread that receives the engine process's messages."
     if self._thread is not None: raise RuntimeError("the engine process's receiver has been started already")
@@ -205,6 +217,7 @@ def _receive(self: EngineProcess):
                 if kind == "verdict": self._verdict(*args)
                 elif kind == "output": self._output(*args)
                 elif kind == "stats": self.stats = args[0]
+                elif kind == "lost": self._lost(*args)
                 elif kind == "stopped":
                     stopped = True
                     self.step_seconds = args[1]
@@ -217,7 +230,7 @@ def _receive(self: EngineProcess):
 def _verdict(self: EngineProcess, request_id: str, refused: str | None, detail, prompt_token_ids):
     "The engine's answer to an add: settle the caller's future; a taken request gets its stream and assembly."
     stream, accepted, prompt = self._pending.pop(request_id)
-    error = None if refused is None else (EngineStopped if refused == "stopped" else ValueError)(detail)
+    error = None if refused is None else {"stopped": EngineStopped, "failed": RequestFailed}.get(refused, ValueError)(detail)
     if error is None:
         self._streams[request_id] = stream
         self._assemblies[request_id] = OutputAssembly(request_id, prompt if isinstance(prompt, str) else None,
@@ -230,17 +243,25 @@ def _output(self: EngineProcess, delta: OutputDelta, error: tuple | None):
     out = self._assemblies[delta.request_id].apply(delta)
     kind, message = error or (("failed", delta.error) if delta.error else (None, None))
     stream = self._streams.get(delta.request_id)
-    if stream is not None:
-        if kind is None: stream.put(out)
-        else: stream.put(EngineStopped(message) if kind == "stopped" else RequestFailed(message))
+    item = out if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)
+    delivered = stream is not None and stream.put(item)
     if out.finished:
         self._streams.pop(delta.request_id, None)
         del self._assemblies[delta.request_id]
         self._finished(out)
+    elif stream is not None and not delivered: self.abort(delta.request_id)  # its reader's loop has closed
+
+def _lost(self: EngineProcess, request_id: str, message: str):
+    "A request that finished in a failed step: its stream ends with the step's error."
+    self._assemblies.pop(request_id, None)
+    stream = self._streams.pop(request_id, None)
+    if stream is not None: stream.put(RequestFailed(message))
 
 def _fail_all(self: EngineProcess, stopped: bool):
     "After the last message: end every request still in flight, with the reason."
-    self._drain_until = self._drain_until or time.monotonic()
+    with self._admission:  # no add can be sent after this
+        self._closed = True
+        self._drain_until = self._drain_until or time.monotonic()
     if stopped: error = EngineStopped("the engine stopped before this request finished")
     else:
         self.process.join(timeout=5)
@@ -254,15 +275,17 @@ def _fail_all(self: EngineProcess, stopped: bool):
 
 def _shutdown(self: EngineProcess, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, end the process."
-    if self._drain_until is None:
-        self._drain_until = time.monotonic() + timeout
-        try:
-            with self._send_lock: self._conn.send(("shutdown", timeout))
-        except (OSError, ValueError): pass
-    if self._thread is not None: self._thread.join()
-    self.process.join(timeout=timeout + 10)
-    if self.process.is_alive(): self.process.kill(); self.process.join()
-    self._conn.close()
+    with self._shutdown_lock:  # a server may call this from two threads at once; the second waits, then finds it done
+        if self._drain_until is None:
+            self._drain_until = time.monotonic() + timeout
+            try:
+                with self._send_lock: self._conn.send(("shutdown", timeout))
+            except (OSError, ValueError): pass
+        if self._thread is not None: self._thread.join()
+        self.process.join(timeout=timeout + 10)
+        if self.process.is_alive(): self.process.kill(); self.process.join()
+        if not self._conn.closed: self._conn.close()
 
 EngineProcess.start, EngineProcess._receive, EngineProcess._verdict, EngineProcess._output = _start, _receive, _verdict, _output
+EngineProcess._lost = _lost
 EngineProcess._fail_all, EngineProcess.shutdown = _fail_all, _shutdown

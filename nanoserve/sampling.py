@@ -40,7 +40,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop |= probs < min_p[:, None] * probs[:, :1]                              # min-p, relative to the best token
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
 
-# %% ../chapters/06b_sampling.ipynb #f9fddd65
+# %% ../chapters/06b_sampling.ipynb #cfabe070
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as in vLLM
 
@@ -52,7 +52,7 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed)
     "top_p": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (lambda v: _int(v) and v >= -1, "an integer >= 1, or 0 or -1 to disable"),
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "seed": (lambda v: v is None or _int(v), "an integer or None"),
+    "seed": (lambda v: v is None or (_int(v) and -2**63 <= v < 2**64), "an integer in [-2**63, 2**64), or None"),
     "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}"),

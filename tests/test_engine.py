@@ -271,3 +271,13 @@ def test_gpu_bf16_batched_equals_one_at_a_time_and_sizes_kv_from_memory():
     del batched, runner
     single = LLM(d, dtype="bfloat16", max_model_len=512, max_num_seqs=1, num_kv_blocks=512)
     assert outs == [single.generate(p, params, use_tqdm=False)[0].token_ids for p in random_prompts()]
+
+
+def test_streamed_outputs_are_snapshots(default_llm):
+    "An output handed out stays as it was while the request goes on (token ids and log probabilities alike)."
+    engine = default_llm.llm_engine
+    engine.add_request("snap", "The capital of France is", SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished(): outs += engine.step()
+    assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)

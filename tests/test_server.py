@@ -1,7 +1,7 @@
 """Chapter 12c: the OpenAI-compatible server on loopback, called through OpenAI's own client (sync and async) and raw
 HTTP: results equal LLM.generate's, streams, 100+ concurrent streams, client disconnects, an engine fault, every error
 status, a schema-driven fuzz that must find no 5xx, and SIGTERM on a `nanoserve serve` process."""
-import asyncio, shutil, signal, socket, subprocess, sys, threading, time
+import asyncio, logging, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -236,7 +236,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(url, client, reference):
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
 
-def test_disconnect_while_waiting_for_a_plain_response_aborts(url):
+def test_disconnect_while_waiting_for_a_plain_response_aborts(url, caplog):
     aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=_long_request(False), timeout=httpx.Timeout(60, read=1.0))
@@ -245,16 +245,20 @@ def test_disconnect_while_waiting_for_a_plain_response_aborts(url):
         time.sleep(0.02)
     assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 1
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # a hang-up is not a server error
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(served, client, reference):
     url, engine = served
-    poison = [13, 13, 13, 13, 42]
-    original = engine.engine._record_token
+    poison, unaddable = [13, 13, 13, 13, 42], [13, 13, 13, 13, 43]
+    original, original_add = engine.engine._record_token, engine.engine.add_request
     def faulty(req, row, sampled):
         if req.seq.prompt_token_ids == poison: raise RuntimeError("injected fault")
         return original(req, row, sampled)
-    engine.engine._record_token = faulty
+    def faulty_add(request_id, prompt, params=None, **kw):
+        if prompt == unaddable: raise RuntimeError("injected fault while adding")
+        return original_add(request_id, prompt, params, **kw)
+    engine.engine._record_token, engine.engine.add_request = faulty, faulty_add
     try:
         async def main():
             aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -268,13 +272,18 @@ def test_a_request_that_fails_in_the_engine_fails_alone(served, client, referenc
                 with pytest.raises(openai.APIError) as e:
                     async for _ in await aclient.completions.create(model=MODEL, prompt=poison, max_tokens=16, stream=True): pass
                 return e.value.message
-            return await asyncio.gather(*map(healthy, PROMPTS), poisoned_plain(), poisoned_stream())
-        *texts, plain_error, stream_error = asyncio.run(main())
+            async def unaddable_plain():
+                with pytest.raises(openai.InternalServerError) as e:
+                    await aclient.completions.create(model=MODEL, prompt=unaddable, max_tokens=4)
+                return e.value.body
+            return await asyncio.gather(*map(healthy, PROMPTS), poisoned_plain(), poisoned_stream(), unaddable_plain())
+        *texts, plain_error, stream_error, add_error = asyncio.run(main())
     finally:
-        del engine.engine._record_token
+        del engine.engine._record_token, engine.engine.add_request
     assert texts == [ref.text for ref in reference["prompts"]]
     assert plain_error["type"] == "server_error" and "injected fault" in plain_error["message"]
     assert "injected fault" in stream_error
+    assert add_error["type"] == "server_error" and "injected fault while adding" in add_error["message"]
     assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0).choices[0].text == reference["prompts"][0].text
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
@@ -291,7 +300,13 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     (C, {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
-    (C, {"prompt": [1, 2, 10**6]}, 400, None),
+    (C, {"prompt": [1, 2, 10**6]}, 400, "prompt"),
+    (C, {"prompt": [True, 5]}, 400, "prompt"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": "hi", "stream": 5}, 400, "stream"),
+    (C, {"prompt": "hi", "stream_options": "x"}, 400, "stream_options"),
+    (C, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     (C, {"prompt": ["one", "two"]}, 400, "prompt"),
     (C, {"max_tokens": 4}, 400, "prompt"),
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
@@ -322,6 +337,7 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
     (b"[1, 2, 3]", 400, "not a JSON object"),
     (b"", 400, "missing"),
     (b'{"prompt": "\\ud800 lone surrogate"}', 400, "Unicode"),
+    (b'{"prompt": "hi", "model": "\\ud800"}', 404, "does not exist"),
 ])
 def test_malformed_bodies(url, content, status, what):
     r = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
@@ -414,9 +430,10 @@ def test_no_generated_request_gets_a_5xx(fuzz_url, mode):
 # --- SIGTERM ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_sigterm_finishes_or_aborts_running_requests_and_exits_0():
+@pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
+def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu", engine_process,
                              "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128", "--timeout-graceful-shutdown", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

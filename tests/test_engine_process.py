@@ -1,0 +1,142 @@
+"""Chapter 12e: the engine in a child process behind AsyncLLMEngine's interface. Outputs equal LLM.generate's (stop
+strings and log probabilities included); aborts free blocks in the child; refusals, overload, shutdown and a killed
+engine process each end their requests with the right error; the server runs on it unchanged."""
+import asyncio, os, signal, time
+
+import httpx
+import openai
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.async_engine import EngineOverloaded, EngineStopped, RequestFailed
+from nanoserve.engine_process import DeltaTracker, EngineProcess, OutputAssembly
+from nanoserve.loader import DEFAULT_MODEL
+from nanoserve.server import make_server, run_in_thread
+
+OPTIONS = dict(max_model_len=256, num_kv_blocks=96, device="cpu")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PARAMS = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0, max_tokens=16, stop=["\n"]),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def remote():
+    engine = EngineProcess(**OPTIONS).start()
+    yield engine
+    engine.shutdown(5)
+
+
+async def last_output(engine, prompt, params):
+    out = None
+    async for out in engine.generate(prompt, params): pass
+    return out
+
+
+def test_delta_round_trip_rebuilds_every_output(llm):
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)): engine.add_request(f"d{i}", prompt, params)
+    tracker, assemblies = DeltaTracker(), {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            a = assemblies.setdefault(out.request_id, OutputAssembly(out.request_id, out.prompt, out.prompt_token_ids, 0.0))
+            rebuilt = a.apply(tracker.delta(out))
+            assert (rebuilt.text, rebuilt.token_ids, rebuilt.finished, rebuilt.finish_reason, rebuilt.logprobs) == \
+                   (out.text, out.token_ids, out.finished, out.finish_reason, out.logprobs)
+    assert not tracker.sent  # finished requests are forgotten
+
+
+def test_outputs_equal_llm_generate(remote, llm):
+    expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    async def main(): return await asyncio.gather(*(last_output(remote, p, q) for p, q in zip(PROMPTS, PARAMS)))
+    for got, want in zip(asyncio.run(main()), expected):
+        assert (got.text, got.token_ids, got.finish_reason, got.prompt_token_ids) == \
+               (want.text, want.token_ids, want.finish_reason, want.prompt_token_ids)
+        assert (got.logprobs is None) == (want.logprobs is None)
+        if got.logprobs:
+            assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got.logprobs] == \
+                   [(lp.token_id, [t for t, _ in lp.top]) for lp in want.logprobs]
+        assert got.metrics.ttft is not None and got.metrics.e2e >= got.metrics.ttft
+
+
+def test_abort_frees_blocks_in_the_engine_process(remote):
+    async def main():
+        gen = remote.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        got = [await gen.__anext__() for _ in range(3)]
+        await gen.aclose()  # aborts
+        for _ in range(500):
+            if remote.stats.kv_cache_usage == 0 and remote.stats.num_running == 0: break
+            await asyncio.sleep(0.01)
+        return got
+    got = asyncio.run(main())
+    assert len(got[-1].token_ids) < 200
+    assert remote.stats.kv_cache_usage == 0 and remote.stats.num_running == 0
+
+
+def test_refusals_and_overload(remote):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"): await remote.add_request([1] * 300, SamplingParams(max_tokens=4))
+        remote.max_waiting = 1
+        try:
+            results = await asyncio.gather(*(remote.add_request(PROMPTS[0], SamplingParams(max_tokens=2)) for _ in range(5)),
+                                           return_exceptions=True)
+        finally: remote.max_waiting = None
+        for r in results:
+            if not isinstance(r, BaseException): [o async for o in remote.outputs(r)]
+        return results
+    results = asyncio.run(main())
+    assert sum(isinstance(r, EngineOverloaded) for r in results) >= 1 and not all(isinstance(r, BaseException) for r in results)
+
+
+def test_an_engine_option_error_is_raised_by_the_constructor():
+    with pytest.raises(ValueError, match="block_size"): EngineProcess(block_size=12, device="cpu")
+
+
+def test_shutdown_finishes_short_requests_and_stops_long_ones():
+    engine = EngineProcess(**OPTIONS).start()
+    async def main():
+        short = asyncio.create_task(last_output(engine, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True)))
+        long = asyncio.create_task(last_output(engine, PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True)))
+        while engine.stats.num_running < 2: await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown, 0.5)
+        return await asyncio.gather(short, long, return_exceptions=True)
+    short, long = asyncio.run(main())
+    assert short.finish_reason == "length" and len(short.token_ids) == 4
+    assert isinstance(long, EngineStopped)
+    assert engine.process.exitcode == 0 and not engine.is_running
+    with pytest.raises(EngineStopped): asyncio.run(engine.add_request(PROMPTS[0]))
+
+
+def test_a_killed_engine_process_fails_its_requests_and_stops_the_client():
+    engine = EngineProcess(**OPTIONS).start()
+    async def main():
+        task = asyncio.create_task(last_output(engine, PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
+        while engine.stats.num_running < 1: await asyncio.sleep(0.01)
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="died"): await task
+        with pytest.raises(EngineStopped): await engine.add_request(PROMPTS[0])
+    asyncio.run(main())
+    assert not engine.is_running and isinstance(engine.error, RequestFailed)
+    engine.shutdown(1)
+
+
+def test_the_server_runs_on_an_engine_process(llm):
+    server = make_server(port=0, engine_process=True, log_level="warning", **OPTIONS)
+    engine = server.config.app.state.server.engine
+    expected = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    with run_in_thread(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        parts = list(client.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}))
+        assert "".join(p.choices[0].text for p in parts if p.choices) == expected.text
+        assert parts[-1].usage.completion_tokens == 12
+        os.kill(engine.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline: time.sleep(0.05)
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
