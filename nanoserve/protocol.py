@@ -40,7 +40,7 @@ def only_accepted(cls, value, info):
         raise ValueError(f"{info.field_name}={value!r} is not supported by nanoserve; leave it out or at {accepted!r}")
     return value
 
-# %% ../chapters/12b_protocol.ipynb #d3064465
+# %% ../chapters/12b_protocol.ipynb #1e6560ad
 class SamplingRequest(OpenAIModel):
     "The fields that completions and chat completions share: which model, how to sample, when to stop, whether to stream."
     model: str | None = None           # None: the one model this server serves
@@ -74,6 +74,12 @@ class SamplingRequest(OpenAIModel):
         return v
 
     _accepted = field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")(classmethod(only_accepted))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v, info):  # `stream` is declared before `stream_options`, so it is in info.data
+        if v is not None and not info.data.get("stream"): raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
 # %% ../chapters/12b_protocol.ipynb #dd77f701
 class CompletionRequest(SamplingRequest):

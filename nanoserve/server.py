@@ -357,7 +357,7 @@ def add_error_handlers(app: FastAPI):
         return error_response(500, f"Internal server error ({type(exc).__name__}); this is a bug in nanoserve.")
     app.add_exception_handler(Exception, bug)
 
-# %% ../chapters/12c_server.ipynb #9696ae5a
+# %% ../chapters/12c_server.ipynb #34b1e84c
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0) -> FastAPI:
     "The FastAPI app that serves `engine` under `model_name`; the engine thread runs while the app does."
@@ -377,10 +377,17 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     return app
 
 class DrainingServer(uvicorn.Server):
-    "A uvicorn server that, when it shuts down, lets the engine finish running requests for `drain_seconds` and abort the rest."
+    "A uvicorn server that drains the engine when it shuts down, and shuts down when its engine has died."
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_seconds: float):
         super().__init__(config)
         self.engine, self.drain_seconds = engine, drain_seconds
+
+    async def on_tick(self, counter: int) -> bool:
+        "Ten times a second: a server whose engine has died stops, so that its supervisor can start a new one."
+        if self.engine.error is not None and not self.should_exit:
+            log.error("the engine has died (%s): stopping the server", self.engine.error)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None):
         draining = asyncio.ensure_future(asyncio.to_thread(self.engine.shutdown, self.drain_seconds))
@@ -409,7 +416,7 @@ def bound_url(server: uvicorn.Server) -> str:
     return f"http://{host}:{port}"
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
-    "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown."
+    "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
     server = make_server(model, host, port, **options)
     log.info("serving %s with OpenAI's API at http://%s:%d/v1 (docs at /docs, metrics at /metrics)",
              server.config.app.state.server.model_name, host, port)
@@ -417,7 +424,7 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     try: server.run()
     finally:
         for sig, handler in quiet.items(): signal.signal(sig, handler)
-    return 0
+    return 1 if server.engine.error is not None else 0  # a dead engine is a failure the supervisor should see
 
 @contextlib.contextmanager
 def run_in_thread(server: uvicorn.Server, start_timeout: float = 60.0):

@@ -1,7 +1,7 @@
 """Chapter 12e: the engine in a child process behind AsyncLLMEngine's interface. Outputs equal LLM.generate's (stop
 strings and log probabilities included); aborts free blocks in the child; refusals, overload, shutdown and a killed
 engine process each end their requests with the right error; the server runs on it unchanged."""
-import asyncio, os, signal, time
+import asyncio, os, re, signal, socket, subprocess, sys, time
 
 import httpx
 import openai
@@ -136,7 +136,30 @@ def test_the_server_runs_on_an_engine_process(llm):
         assert parts[-1].usage.completion_tokens == 12
         os.kill(engine.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline: time.sleep(0.05)
-        assert httpx.get(f"{url}/health").status_code == 503
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        while not server.should_exit and time.monotonic() < deadline: time.sleep(0.05)
+        assert server.should_exit and isinstance(engine.error, RequestFailed)  # a server with a dead engine stops
+
+
+@pytest.mark.slow
+def test_nanoserve_serve_exits_1_when_its_engine_process_dies(tmp_path):
+    "An operator's view: kill the engine process of `nanoserve serve`; the server stops on its own, with status 1."
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu",
+                             "--max-model-len", "256", "--num-kv-blocks", "32"], stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200: break
+            except httpx.HTTPError: pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        pid = int(re.search(r"engine process (\d+):", (tmp_path / "serve.log").read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert "the engine has died" in (tmp_path / "serve.log").read_text()

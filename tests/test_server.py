@@ -305,6 +305,7 @@ BAD_REQUESTS = [
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": "hi", "stream": 5}, 400, "stream"),
     (C, {"prompt": "hi", "stream_options": "x"}, 400, "stream_options"),
+    (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop"),
     (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     (C, {"prompt": ["one", "two"]}, 400, "prompt"),
