@@ -246,7 +246,7 @@ def _finished(self: AsyncLLMEngine, out: RequestOutput):
 
 AsyncLLMEngine._step, AsyncLLMEngine._fail_batch, AsyncLLMEngine._finished = _step, _fail_batch, _finished
 
-# %% ../chapters/12a_async_engine.ipynb #d629c911
+# %% ../chapters/12a_async_engine.ipynb #367c275e
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
@@ -255,15 +255,34 @@ def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     self._thread.join()
 
 def _close(self: AsyncLLMEngine):
-    "On the engine thread, last thing: refuse queued adds and abort every request still held."
+    "On the engine thread, last thing: refuse queued adds and end every request still held; this must not fail."
+    stopped = EngineStopped("the engine stopped before this request finished")
     with self._admission:  # no add can be queued after this
         self._closed = True
         self._drain_until = self._drain_until or time.monotonic()
-        self._take_commands()  # adds are refused with EngineStopped now
-    for request_id in list(self._streams): self._abort_now(request_id, EngineStopped("the engine stopped before this request finished"))
-    for request_id in list(self.engine.requests): self._abort_now(request_id)
-    self.stats = engine_stats(self.engine)
+        try: self._take_commands()  # adds are refused with EngineStopped now
+        except Exception:  # the engine is broken (that may be why we are here): refuse what is queued by hand
+            log.exception("the engine could not take its last commands")
+            self._refuse_queued(stopped)
+    for request_id in list(self._streams):
+        try: self._abort_now(request_id, stopped)
+        except Exception: self._streams.pop(request_id).put(stopped)  # the engine could not abort it: end the stream anyway
+    for request_id in list(self.engine.requests):
+        try: self._abort_now(request_id)
+        except Exception: log.exception("could not abort %s", request_id)
+    try: self.stats = engine_stats(self.engine)
+    except Exception: pass
     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.engine.step_seconds.items())
     log.info("engine stopped after %d steps (%s)", self.stats.num_steps, phases)
 
-AsyncLLMEngine.shutdown, AsyncLLMEngine._close = _shutdown, _close
+def _refuse_queued(self: AsyncLLMEngine, error: EngineStopped):
+    "Answer every add still on the command queue with `error`, without the engine."
+    while True:
+        try: command, *args = self._commands.get_nowait()
+        except queue.Empty: return
+        if command == "add":
+            stream, accepted = args[3], args[4]
+            try: stream.loop.call_soon_threadsafe(_settle, accepted, error)
+            except RuntimeError: pass
+
+AsyncLLMEngine.shutdown, AsyncLLMEngine._close, AsyncLLMEngine._refuse_queued = _shutdown, _close, _refuse_queued

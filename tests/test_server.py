@@ -405,6 +405,20 @@ def test_overload_gets_503_with_retry_after(guarded):
     assert wait_until_idle(guarded)["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.parametrize("broken_part", ["_step", "_take_commands"])
+def test_a_server_whose_engine_thread_dies_fails_its_requests_and_stops(tiny_chat_model, broken_part):
+    server = make_server(str(tiny_chat_model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="critical")
+    engine = server.config.app.state.server.engine
+    with run_in_thread(server) as url:
+        def broken(): raise RuntimeError("a bug in the engine loop")
+        setattr(engine, broken_part, broken)  # the loop itself fails, not a step it guards
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        deadline = time.monotonic() + 10
+        while not server.should_exit and time.monotonic() < deadline: time.sleep(0.05)
+        assert server.should_exit and isinstance(engine.error, RuntimeError)
+
+
 # --- a fuzz from the server's own OpenAPI schema ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
