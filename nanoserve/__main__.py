@@ -90,6 +90,8 @@ def add_engine_args(p):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--fuse-ops", action=argparse.BooleanOptionalAction, default=True, help="fused Triton kernels on CUDA")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare step n+1 while the GPU runs step n (default: on with CUDA)")
     p.add_argument("--seed", type=int, default=0)
 
 def engine_options(args) -> dict:

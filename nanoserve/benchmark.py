@@ -85,6 +85,10 @@ def matmul_rate(device="cuda", dtype=torch.bfloat16, n: int = 8192) -> float:
     return 2 * n**3 / _median_seconds(lambda: a @ b)
 
 # %% ../chapters/11c_benchmark.ipynb #a26a2827
+def _alloc_retries() -> int:
+    "How often PyTorch's CUDA allocator ran short, freed its cached blocks and retried (0 without a GPU)."
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
 def time_engine(llm: LLM, requests: list) -> dict:
     "Wall time and token rates of one LLM.generate over `requests` (after a warm-up on the first few)."
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -92,7 +96,7 @@ def time_engine(llm: LLM, requests: list) -> dict:
     llm.generate([ids for ids, _ in warm], [SamplingParams(temperature=0, max_tokens=min(8, n), ignore_eos=True) for _, n in warm],
                  use_tqdm=False)
     engine = llm.llm_engine
-    preempted_before, phases_before = engine.scheduler.num_preemptions, dict(engine.step_seconds)
+    preempted_before, phases_before, retries_before = engine.scheduler.num_preemptions, dict(engine.step_seconds), _alloc_retries()
     start = time.perf_counter()
     outs = llm.generate([ids for ids, _ in requests], params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -101,7 +105,8 @@ def time_engine(llm: LLM, requests: list) -> dict:
     return {"seconds": wall, "output_tokens": out_tokens, "prompt_tokens": in_tokens,
             "output_tokens_per_s": out_tokens / wall, "total_tokens_per_s": (out_tokens + in_tokens) / wall,
             "requests_per_s": len(requests) / wall, "preemptions": engine.scheduler.num_preemptions - preempted_before,
-            "step_seconds": {k: v - phases_before[k] for k, v in engine.step_seconds.items()}}
+            "step_seconds": {k: v - phases_before[k] for k, v in engine.step_seconds.items()},
+            "cuda_alloc_retries": _alloc_retries() - retries_before}  # each one freed cached memory, waiting for the GPU
 
 # %% ../chapters/11c_benchmark.ipynb #ba3b7ccb
 def time_transformers(model_dir, requests: list, dtype: torch.dtype, device="cuda") -> dict:
@@ -155,6 +160,7 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
     if runner.device.type == "cuda":
         res["copy_bytes_per_s"], res["matmul_flops_per_s"] = copy_bandwidth(runner.device), matmul_rate(runner.device, runner.dtype)
         res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"], res["matmul_flops_per_s"])
+        torch.cuda.empty_cache()  # hand the measurements' 2 GiB back: an allocator short of memory frees blocks, which waits for the GPU
     res["nanoserve"] = time_engine(llm, requests)
     if "floor" in res: res["fraction_of_floor"] = res["floor"]["seconds"] / res["nanoserve"]["seconds"]
     if compare_hf:

@@ -105,3 +105,11 @@ class BlockManager:
         if not 0 <= start <= end <= n: raise ValueError(f"start={start}, end={end}: need 0 <= start <= end <= num_tokens={n}")
         b = self.block_size
         return [table[p // b] * b + p % b for p in range(start, end)]
+
+# %% ../chapters/08a_block_manager.ipynb #b2c3d4e5
+def _blocks_to_grow(self: BlockManager, seq_ids) -> int:
+    "How many free blocks one more token for each of `seq_ids` takes: one per sequence whose last block is full."
+    b, lens = self.block_size, self.seq_lens
+    return sum(1 for s in seq_ids if lens[s] % b == 0)
+
+BlockManager.blocks_to_grow = _blocks_to_grow

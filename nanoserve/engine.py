@@ -13,7 +13,7 @@ import torch
 
 from .block_manager import BlockManager
 from .loader import load_model, resolve_model
-from .model_runner import EngineConfig, ModelRunner
+from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -109,6 +109,9 @@ class LLMEngine:
         self.requests: dict = {}  # request_id -> Request, until it finishes
         self._ids = itertools.count()
         self.step_seconds = dict.fromkeys(("schedule", "prepare_and_launch", "wait_for_gpu", "process_outputs"), 0.0)
+        overlap = c.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._running = None  # async scheduling: the launched step whose tokens the host has not read yet, and its requests
 
     def has_unfinished(self) -> bool: return bool(self.requests)
     def __repr__(self): return f"LLMEngine({self.config.model or 'default model'}, {self.runner.summary()})"
@@ -171,26 +174,43 @@ def _step(self: LLMEngine) -> list:
     "Run one step of the engine; returns the RequestOutput of every streaming request in the step, and of every finished one."
     t0 = time.perf_counter()
     out = self.scheduler.schedule()
-    if not out.seqs: return []
     t1 = now = time.monotonic()
-    reqs = [self.requests[s.seq_id] for s in out.seqs]
-    for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
-    sampled = self.runner.execute(out, self.scheduler.blocks, [r.generator for r in reqs])
+    launched = None
+    if out.seqs:
+        reqs = [self.requests[s.seq_id] for s in out.seqs]
+        for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+        running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
+        launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), reqs)
     t2 = time.perf_counter()
-    self.scheduler.update(out, sampled.token_ids.tolist())  # the one device-to-host copy: waits for the GPU
-    t3, now, outputs = time.perf_counter(), time.monotonic(), []
-    for row, (seq, req) in enumerate(zip(out.seqs, reqs)):
+    self.step_seconds["schedule"] += t1 - t0
+    self.step_seconds["prepare_and_launch"] += t2 - t1
+    if self.async_scheduling:  # read the previous step's tokens while the GPU runs this one
+        launched, self._running = self._running, launched
+    return self._process(*launched) if launched else []
+
+LLMEngine._record_token, LLMEngine._fail, LLMEngine.step = _record_token, _fail, _step
+
+# %% ../chapters/11b_engine.ipynb #9d4e5f12
+def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
+    "Take one launched step's tokens on the host: record them, detokenize, check stops; the outputs to report."
+    t0 = time.perf_counter()
+    sampled = launched.result()  # waits for this step's tokens, not for a step launched after it
+    out, was_finished = launched.out, [s.is_finished for s in launched.out.seqs]  # aborted or stopped meanwhile
+    self.scheduler.update(out, sampled.token_ids.tolist())
+    t1, now, outputs = time.perf_counter(), time.monotonic(), []
+    for row, (seq, req, skip) in enumerate(zip(out.seqs, reqs, was_finished)):
+        if skip: continue  # this token was computed after the sequence ended: throw it away
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.num_preemptions = seq.num_preemptions
         try: self._record_token(req, row, sampled)
         except Exception as e: self._fail(req, e)  # this request fails alone
         if req.stream or seq.is_finished: outputs.append(req.output())
         if seq.is_finished: del self.requests[seq.seq_id]
-    for phase, seconds in zip(self.step_seconds, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
-        self.step_seconds[phase] += seconds
+    self.step_seconds["wait_for_gpu"] += t1 - t0
+    self.step_seconds["process_outputs"] += time.perf_counter() - t1
     return outputs
 
-LLMEngine._record_token, LLMEngine._fail, LLMEngine.step = _record_token, _fail, _step
+LLMEngine._process = _process
 
 # %% ../chapters/11b_engine.ipynb #bf1578ed
 def _abort(self: LLMEngine, request_id) -> RequestOutput | None:

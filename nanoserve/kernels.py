@@ -101,7 +101,7 @@ def _output(out, q: torch.Tensor) -> torch.Tensor:
 # %% ../chapters/09_paged_attention.ipynb #3cdac55d
 STORE_BLOCK_T = 16  # tokens per store_kv program
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count (see below)
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -164,7 +164,7 @@ def _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION: tl.
     return acc, m_new, l_i
 
 # %% ../chapters/09_paged_attention.ipynb #5446cd3c
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                    num_splits,
@@ -203,7 +203,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
                  out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
 # %% ../chapters/09_paged_attention.ipynb #a692cba0
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, stride_ob, stride_oh, num_splits,
                           H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
@@ -274,7 +274,7 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #ebccc42a
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -357,5 +357,6 @@ class TritonPagedAttention(PagedAttention):
             store_kv(k, v, k_cache, v_cache, m.slot_mapping)
             if len(q) == len(m.context_lens):  # one new token per sequence: decode
                 return paged_decode_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, scale)
-            return paged_prefill_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale)
+            return paged_prefill_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale,
+                                           m.max_seqlen_q)  # from the host: reading it off the GPU would wait for the GPU, every layer
         return attend

@@ -132,6 +132,7 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32: each sequence's physical blocks, padded with -1
     context_lens: torch.Tensor  # (B,) int32: each sequence's positions after this step, cached and new
     cu_seqlens_q: torch.Tensor  # (B+1,) int32: sequence b's new tokens are rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    max_seqlen_q: int | None = None  # the most new tokens of one sequence, known on the host; None: read it off the GPU
 
     @classmethod
     def from_block_manager(cls, blocks: BlockManager, seq_ids: list, num_new_tokens: list, device="cpu"):
@@ -143,7 +144,8 @@ class PagedAttentionMetadata:
         i32 = dict(dtype=torch.int32, device=device)
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
                    torch.tensor([t + [-1] * (width - len(t)) for t in tables], **i32).view(len(tables), width),
-                   torch.tensor(lens, **i32), torch.tensor([0, *itertools.accumulate(num_new_tokens)], **i32))
+                   torch.tensor(lens, **i32), torch.tensor([0, *itertools.accumulate(num_new_tokens)], **i32),
+                   max(num_new_tokens, default=0))
 
     def positions(self) -> torch.Tensor:  # -> (T,)
         "The position of every new token in its sequence: sequence b's rows are positions S_b - q_b ... S_b - 1."

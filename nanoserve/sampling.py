@@ -124,7 +124,9 @@ class SamplingTensors(NamedTuple):
         "Build all five tensors with one host-to-device copy."
         rows = [(1.0 if p.greedy else p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
                  p.top_p, p.min_p, float(p.greedy)) for p in params]
-        t = torch.tensor(rows, dtype=torch.float32).to(device)  # (B, 5); exact for vocabularies below 2**24
+        t = torch.tensor(rows, dtype=torch.float32)  # (B, 5); exact for vocabularies below 2**24
+        if torch.device(device).type == "cuda": t = t.pin_memory()  # so the copy need not wait for the GPU's queue
+        t = t.to(device, non_blocking=True)
         return cls(t[:, 0].float(), t[:, 1].long(), t[:, 2].float(), t[:, 3].float(), t[:, 4].bool())
 
 # %% ../chapters/06b_sampling.ipynb #04c4b6f1

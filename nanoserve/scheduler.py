@@ -35,6 +35,7 @@ class Sequence:
         self.block_table: list = []   # the block manager's table for this sequence while it runs
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.num_preemptions = 0
+        self.num_in_flight = 0  # steps scheduled for it whose sampled token has not come back yet (chapter 11b)
 
     num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
     num_output_tokens = property(lambda self: len(self.output_token_ids))
@@ -44,6 +45,8 @@ class Sequence:
     is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
     max_num_tokens = property(lambda self: self.num_prompt_tokens + self.params.max_tokens,
                               doc="The most tokens this sequence can reach: its prompt plus max_tokens.")
+    reaches_max_tokens = property(lambda self: self.num_output_tokens + self.num_in_flight >= self.params.max_tokens,
+                                  doc="Its tokens so far and those on their way already make max_tokens: no more steps.")
 
     def __repr__(self):
         return (f"Sequence({self.seq_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
@@ -167,7 +170,11 @@ Scheduler._preempt = _preempt
 # %% ../chapters/10_scheduler.ipynb #b4eca64a
 def _schedule_decode(self: Scheduler) -> SchedulerOutput:
     "One slot for the next token of every running sequence, preempting the youngest when blocks run out."
-    scheduled, preempted, queue = [], [], deque(self.running)
+    scheduled, preempted = [], []
+    queue = deque(s for s in self.running if not s.reaches_max_tokens)  # the rest finish when their tokens come back
+    if self.blocks.blocks_to_grow(s.seq_id for s in queue) <= self.blocks.num_free_blocks:  # room for all: the fast path
+        for seq in queue: self.blocks.append_slot(seq.seq_id)
+        return SchedulerOutput(list(queue), [1] * len(queue), False, [])
     while queue:
         seq = queue.popleft()  # the oldest not yet served
         while not self.blocks.can_append(seq.seq_id) and queue:
@@ -180,8 +187,9 @@ def _schedule_decode(self: Scheduler) -> SchedulerOutput:
         elif scheduled:  # every younger one is gone and the older ones hold the rest: it is the youngest left
             self._preempt(seq)
             preempted.append(seq)
-        else:  # alone and still too big: add() lets no such request in
+        elif len(self.running) == 1:  # alone and still too big: add() lets no such request in
             raise RuntimeError(f"{seq} cannot grow although it is alone in the pool")
+        # else: the others hold the rest and are finishing (their last tokens are on the way): it waits a step
     return SchedulerOutput(scheduled, [1] * len(scheduled), False, preempted)
 
 def _pick_victim(self: Scheduler, queue: deque) -> Sequence:
@@ -199,6 +207,7 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
     if self.trace is not None:
         self.trace.append(StepTrace(self.num_steps, out.is_prefill, [s.seq_id for s in out.seqs],
                                     [s.seq_id for s in out.preempted], num_free_blocks=self.blocks.num_free_blocks))
+    for seq in out.seqs: seq.num_in_flight += 1  # until update() brings its token
     self.num_steps += 1
     return out
 
@@ -209,7 +218,9 @@ def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):
     "Record the token each sequence of `out` sampled; the cache now holds all of a sequence's tokens but the new one."
     if len(token_ids) != len(out.seqs): raise ValueError(f"{len(token_ids)} tokens for {len(out.seqs)} sequences")
     for seq, token in zip(out.seqs, token_ids):
-        seq.num_computed_tokens = seq.num_tokens
+        seq.num_in_flight -= 1
+        if seq.is_finished: continue  # aborted, or stopped by the token before, while this one was computed
+        if seq.status is SequenceStatus.RUNNING: seq.num_computed_tokens = seq.num_tokens  # not if preempted meanwhile
         seq.output_token_ids.append(token)
 
 def _release(self: Scheduler, seq: Sequence, reason: str):
@@ -224,8 +235,9 @@ def _release(self: Scheduler, seq: Sequence, reason: str):
     if self.trace: self.trace[-1].finished.append(seq.seq_id)
 
 def _finish(self: Scheduler, seq: Sequence, reason: str):
-    "A running sequence met a stop condition: release it now."
-    if seq.status is not SequenceStatus.RUNNING: raise ValueError(f"only a running sequence can finish; got {seq}")
+    "A sequence that generated tokens met a stop condition: release it now (it may have been preempted meanwhile)."
+    if seq.is_finished or not seq.output_token_ids:
+        raise ValueError(f"only a running or preempted sequence can finish; got {seq}")
     self._release(seq, reason)
 
 def _abort(self: Scheduler, seq_id) -> Sequence | None:

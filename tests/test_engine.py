@@ -71,6 +71,56 @@ def test_one_at_a_time_and_preemption_change_nothing(tiny):
     assert small.llm_engine.scheduler.blocks.num_free_blocks == 10
 
 
+
+# --- async scheduling (the engine one step ahead of the host) -----------------------------------------------
+
+def test_async_scheduling_changes_nothing(tiny):
+    arch, d = tiny
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 3, 25, 1)] + \
+             [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
+    for pool in (256, 10):  # 10 blocks of 16: preemptions while tokens are in flight
+        sync = LLM(d, num_kv_blocks=pool, device="cpu", async_scheduling=False)
+        ahead = LLM(d, num_kv_blocks=pool, device="cpu", async_scheduling=True)
+        assert ahead.llm_engine.async_scheduling and not sync.llm_engine.async_scheduling
+        a, b = (llm.generate(random_prompts(), params, use_tqdm=False) for llm in (sync, ahead))
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [len(o.token_ids) for o in b] == [p.max_tokens for p in params]
+        assert ahead.llm_engine.scheduler.blocks.num_free_blocks == pool and not ahead.llm_engine.has_unfinished()
+    assert ahead.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_async_scheduling_stops_and_logprobs_equal_sync(default_llm):
+    ahead = LLM(max_model_len=512, num_kv_blocks=128, device="cpu", async_scheduling=True)
+    tok = ahead.get_tokenizer()
+    chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in ("Count from 1 to 10.", "What is the capital of France?", "Name three colors.")]
+    params = [SamplingParams(temperature=0, max_tokens=60, stop=["5"]), SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0, max_tokens=7, logprobs=3)]
+    a, b = (llm.generate(chat, params, use_tqdm=False) for llm in (default_llm, ahead))
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+    assert [o.finish_reason for o in b] == ["stop", "stop", "length"]  # a stop string, the end-of-turn token, max_tokens
+    assert [(l.token_id, l.top) for l in a[2].logprobs] == [(l.token_id, l.top) for l in b[2].logprobs]
+    assert ahead.llm_engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_async_abort_while_its_step_is_in_flight():
+    d = tiny_model_dir("llama")
+    engine = LLMEngine(d, num_kv_blocks=32, device="cpu", async_scheduling=True)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", [4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert engine.step() == []  # the prefill's tokens are still on their way
+    outs = engine.step()  # they arrive while the first decode step runs
+    assert {o.request_id for o in outs} == {"a", "b"} and engine._running is not None
+    final = engine.abort("a")  # its decode step is in flight: that token is thrown away
+    assert final.finish_reason == "abort" and len(final.token_ids) == 1
+    done = []
+    while engine.has_unfinished(): done += [o for o in engine.step() if o.finished]
+    ref = LLM(d, num_kv_blocks=32, device="cpu", async_scheduling=False).generate([[4, 5]], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.request_id for o in done] == ["b"] and done[0].token_ids == ref.token_ids
+    assert engine.scheduler.blocks.num_used_blocks == 0
+
 # --- the API ---------------------------------------------------------------------------------------------------
 
 def test_prompt_and_params_forms(default_llm):
@@ -243,7 +293,7 @@ def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
 @needs_gpu
 def test_gpu_graph_logits_equal_eager_logits():
     d = tiny_model_dir("llama")
-    llm = LLM(d, dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=256)
+    llm = LLM(d, dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=256, async_scheduling=False)
     runner, engine = llm.llm_engine.runner, llm.llm_engine
     for i, p in enumerate(random_prompts((5, 9, 13))): engine.add_request(i, p, SamplingParams(temperature=0, max_tokens=50))
     engine.step()  # prefill
@@ -281,3 +331,17 @@ def test_streamed_outputs_are_snapshots(default_llm):
     while engine.has_unfinished(): outs += engine.step()
     assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6]
     assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_async_scheduling_equals_sync():
+    d = tiny_model_dir("llama")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 3, 25, 1, 40, 12, 30)]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(d, dtype="bfloat16", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024, async_scheduling=overlap)
+        assert llm.llm_engine.async_scheduling is overlap
+        outs[overlap] = [o.token_ids for o in llm.generate(random_prompts(), params, use_tqdm=False)]
+    assert outs[True] == outs[False]

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from nanoserve.block_manager import BlockManager, blocks_needed
@@ -175,7 +175,7 @@ def test_bad_arguments():
     s = scheduler()
     s.add(seq(0, 4))
     with pytest.raises(ValueError, match="already scheduled"): s.add(seq(0, 4))
-    with pytest.raises(ValueError, match="only a running sequence"): s.finish(s.seqs[0], "stop")
+    with pytest.raises(ValueError, match="only a running or preempted sequence"): s.finish(s.seqs[0], "stop")
 
 
 def test_trace_records_steps():
@@ -183,3 +183,27 @@ def test_trace_records_steps():
     s.add(seq(0, 4, max_tokens=2))
     step(s); step(s)
     assert [(t.step, t.is_prefill, t.seq_ids, t.finished) for t in s.trace] == [(0, True, [0], []), (1, False, [0], [0])]
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 8), st.integers(0, 8)), min_size=1, max_size=8),
+       st.integers(0, 6), st.sampled_from([1, 4, 16]))
+def test_one_step_lag_finishes_everything_within_max_tokens(requests, extra_blocks, block_size):
+    "Async scheduling: each step's tokens come back only after the next step is scheduled, so stops land one step late."
+    s = scheduler(blocks_needed(48, block_size) + extra_blocks, block_size, 4, 48, 48)
+    for i, (p, m, _) in enumerate(requests): s.add(seq(i, p, m))
+    stop_at = {i: stop for i, (_, _, stop) in enumerate(requests)}  # a "stop token" after this many tokens (0: never)
+    pending, steps = None, 0
+    while s.has_unfinished() or pending:
+        out = s.schedule()
+        for q in out.seqs: assert q.num_output_tokens + q.num_in_flight <= q.params.max_tokens
+        if pending:  # the previous step's tokens arrive while this one runs
+            was_finished = [q.is_finished for q in pending.seqs]
+            s.update(pending, [0] * len(pending.seqs))
+            for q, skip in zip(pending.seqs, was_finished):
+                if not skip and q.num_output_tokens in (q.params.max_tokens, stop_at[q.seq_id]): s.finish(q, "stop")
+        pending = out if out.seqs else None
+        steps += 1
+        assert steps < 2000, "no progress"
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks and all(q.num_in_flight == 0 for q in s.seqs.values())
