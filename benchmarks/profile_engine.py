@@ -13,16 +13,16 @@ from nanoserve.benchmark import random_requests
 
 def timed_steps(engine):
     "Wrap engine.step to record (is_prefill, batch size, seconds) of every step."
-    record, step, execute = [], engine.step, engine.runner.execute
+    record, step, launch = [], engine.step, engine.runner.launch
     kind = {}
-    def execute_and_note(out, *a, **k):
+    def launch_and_note(out, *a, **k):
         kind["prefill"], kind["B"] = out.is_prefill, len(out.seqs)
-        return execute(out, *a, **k)
+        return launch(out, *a, **k)
     def timed():
         kind.clear(); t = time.perf_counter(); res = step()
         if kind: record.append((kind["prefill"], kind["B"], time.perf_counter() - t))
         return res
-    engine.runner.execute, engine.step = execute_and_note, timed
+    engine.runner.launch, engine.step = launch_and_note, timed
     return record
 
 
