@@ -34,7 +34,7 @@ def main():
     p.add_argument("--engine-option", nargs="*", default=[], help="key=value engine options, e.g. async_scheduling=False")
     a = p.parse_args()
     opts = {k: (v == "True" if v in ("True", "False") else v) for k, v in (o.split("=") for o in a.engine_option)}
-    llm = LLM(a.model, load_format="dummy", dtype="bfloat16", **opts)
+    llm = LLM(a.model, load_format="dummy", dtype="bfloat16", **{"max_model_len": 2048, **opts})  # as `bench throughput` sizes it
     reqs = random_requests(a.num_prompts, (100, 1024), (100, 1024), seed=0)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate([ids for ids, _ in reqs[:8]], params[:8], use_tqdm=False)  # warm-up
