@@ -97,6 +97,23 @@ def test_completions_equal_llm_generate(client, reference):
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+
+def test_metrics_count_tokens_and_latencies(client, url):
+    "Every counter and histogram of /metrics moves by what one request did."
+    names = ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+             "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count", "e2e_request_latency_seconds_sum",
+             "request_prompt_tokens_sum", "request_generation_tokens_sum", "num_preemptions_total")
+    wait_until_idle(url)
+    before = {n: metric(url, f"nanoserve:{n}") for n in names}
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    wait_until_idle(url)
+    moved = {n: metric(url, f"nanoserve:{n}") - before[n] for n in names}
+    assert moved["prompt_tokens_total"] == moved["request_prompt_tokens_sum"] == r.usage.prompt_tokens
+    assert moved["generation_tokens_total"] == moved["request_generation_tokens_sum"] == r.usage.completion_tokens == 5
+    assert moved["time_to_first_token_seconds_count"] == moved["time_per_output_token_seconds_count"] == 1
+    assert moved["e2e_request_latency_seconds_count"] == 1 and moved["e2e_request_latency_seconds_sum"] > 0
+    assert moved["num_preemptions_total"] == 0
+
 def test_completion_of_token_ids(client, reference):
     ref = reference["prompts"][0]
     r = client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=16, temperature=0)
