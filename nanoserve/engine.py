@@ -113,7 +113,7 @@ class LLMEngine:
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
         self._running = None  # async scheduling: the launched step whose tokens the host has not read yet, and its requests
 
-    def has_unfinished(self) -> bool: return bool(self.requests)
+    def has_unfinished(self) -> bool: return bool(self.requests) or self._running is not None  # or a step to read back
     def __repr__(self): return f"LLMEngine({self.config.model or 'default model'}, {self.runner.summary()})"
 
 # %% ../chapters/11b_engine.ipynb #a7005a6f

@@ -94,14 +94,14 @@ def block_table_array(tables: list, width: int) -> np.ndarray:
     return out
 
 def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device, pad_to: int | None = None,
-                   tokens_in_flight: tuple | None = None) -> BatchInputs:  # (seq_id -> row, (B',) sampled ids on the device)
+                   tokens_in_flight: tuple | None = None) -> BatchInputs:  # (Sequence -> row, (B',) sampled ids on the device)
     "Flatten the scheduler's batch into one token stream with its positions, slots, block tables and context lengths."
     rows, in_flight = tokens_in_flight or ({}, None)
     ids, positions, slots, lens, tables, src, bs = [], [], [], [], [], [], blocks.block_size
     for seq, n in zip(out.seqs, out.num_new_tokens):
         table, total = blocks.block_tables[seq.seq_id], blocks.seq_lens[seq.seq_id]  # tokens recorded, the new ones included
         if n == 1:  # one token, whose id may still be on the GPU: then it is taken from there, by its row
-            row = rows.get(seq.seq_id, -1)
+            row = rows.get(seq, -1)
             ids.append(seq.last_token_id if row < 0 else 0); src.append(row)
             positions.append(total - 1); slots.append(table[(total - 1) // bs] * bs + (total - 1) % bs)
         else:
@@ -190,7 +190,7 @@ class LaunchedStep:
     copied: object = None    # a torch.cuda.Event, or None on a CPU, where the copies are done already
 
     @property
-    def rows(self) -> dict: return {s.seq_id: i for i, s in enumerate(self.out.seqs)}  # seq_id -> its row
+    def rows(self) -> dict: return {s: i for i, s in enumerate(self.out.seqs)}  # Sequence -> its row (by identity: ids may be reused)
 
     def result(self) -> SamplerOutput:
         "The sampled tokens on the host; waits for this step's copy only, not for the steps queued after it."

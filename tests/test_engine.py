@@ -121,6 +121,20 @@ def test_async_abort_while_its_step_is_in_flight():
     assert [o.request_id for o in done] == ["b"] and done[0].token_ids == ref.token_ids
     assert engine.scheduler.blocks.num_used_blocks == 0
 
+
+def test_async_a_reused_request_id_does_not_take_the_old_token():
+    d = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = LLMEngine(d, num_kv_blocks=32, device="cpu", async_scheduling=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.step(); engine.step()  # "a" has a decode step in flight
+    engine.abort("a")
+    engine.add_request("a", [4], params)  # the same id, a one-token prompt: its prefill must feed token 4, not the old one
+    done = []
+    while engine.has_unfinished(): done += [o for o in engine.step() if o.finished]
+    ref = LLM(d, num_kv_blocks=32, device="cpu", async_scheduling=False).generate([[4]], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in done] == [ref.token_ids] and engine._running is None
+
 # --- the API ---------------------------------------------------------------------------------------------------
 
 def test_prompt_and_params_forms(default_llm):
