@@ -97,12 +97,12 @@ def test_an_engine_option_error_is_raised_by_the_constructor():
 
 
 def test_shutdown_finishes_short_requests_and_stops_long_ones():
-    engine = EngineProcess(**OPTIONS).start()
+    engine = EngineProcess(**{**OPTIONS, "max_model_len": 2048, "num_kv_blocks": 160}).start()  # room for a request that cannot finish
     async def main():
         short = asyncio.create_task(last_output(engine, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True)))
-        long = asyncio.create_task(last_output(engine, PROMPTS[1], SamplingParams(max_tokens=240, ignore_eos=True)))
+        long = asyncio.create_task(last_output(engine, PROMPTS[1], SamplingParams(max_tokens=2000, ignore_eos=True)))
         while engine.stats.num_running < 2: await asyncio.sleep(0.01)
-        await asyncio.to_thread(engine.shutdown, 2.0)  # 4 tokens fit in 2 s even on a slow, busy CPU; 240 do not
+        await asyncio.to_thread(engine.shutdown, 8.0)  # 4 tokens fit in 8 s even on a slow, busy CPU; 2000 do not
         return await asyncio.gather(short, long, return_exceptions=True)
     short, long = asyncio.run(main())
     assert short.finish_reason == "length" and len(short.token_ids) == 4
