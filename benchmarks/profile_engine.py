@@ -26,15 +26,52 @@ def timed_steps(engine):
     return record
 
 
+def single_stream(llm, a, opts):
+    "The kernels of one sequence's decode steps (128-token prompt), as `bench latency` runs it."
+    engine = llm.llm_engine
+    prompt = random_requests(1, (128, 128), (1, 1), seed=0)[0][0]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate([prompt], [params], use_tqdm=False)  # warm-up
+    engine.add_request(None, prompt, params)
+    for _ in range(16): engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as tp:
+        for _ in range(20): engine.step()
+        torch.cuda.synchronize()
+    kernels = tp.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    engine.step_seconds = dict.fromkeys(engine.step_seconds, 0.0)
+    t = time.perf_counter(); steps = 0
+    while engine.has_unfinished(): engine.step(); steps += 1
+    torch.cuda.synchronize()
+    res = {"model": a.model, "engine_options": opts, "gpu": torch.cuda.get_device_name(), "single_stream": True,
+           "ms_per_decode_step": 1e3 * (time.perf_counter() - t) / steps,
+           "ms_per_step_by_phase": {k: 1e3 * v / steps for k, v in engine.step_seconds.items()}}
+    prof = cProfile.Profile()  # the host's own time per step, GPU waits included
+    engine.add_request(None, prompt, params)
+    for _ in range(16): engine.step()
+    prof.enable()
+    for _ in range(100): engine.step()
+    prof.disable()
+    while engine.has_unfinished(): engine.step()
+    s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue()[:5000], file=sys.stderr)
+    res["cprofile_100_steps"] = s.getvalue()
+    print(kernels, file=sys.stderr)
+    print(json.dumps(res, indent=1))
+    if a.out: json.dump(res | {"kernels": kernels}, open(a.out, "w"), indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="benchmarks/configs/Llama-3.2-1B")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--out", default=None)
+    p.add_argument("--single-stream", action="store_true", help="profile the decode steps of one 128-token request instead")
     p.add_argument("--engine-option", nargs="*", default=[], help="key=value engine options, e.g. async_scheduling=False")
     a = p.parse_args()
     opts = {k: (v == "True" if v in ("True", "False") else v) for k, v in (o.split("=") for o in a.engine_option)}
     llm = LLM(a.model, load_format="dummy", dtype="bfloat16", **{"max_model_len": 2048, **opts})  # as `bench throughput` sizes it
+    if a.single_stream: return single_stream(llm, a, opts)
     reqs = random_requests(a.num_prompts, (100, 1024), (100, 1024), seed=0)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate([ids for ids, _ in reqs[:8]], params[:8], use_tqdm=False)  # warm-up

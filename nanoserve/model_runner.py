@@ -113,10 +113,12 @@ def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device, pad_to: i
     B, W = len(lens), max(map(len, tables))
     cu = list(itertools.accumulate(out.num_new_tokens + [1] * pad, initial=0))
     # numpy turns a long list of Python ints into an array several times faster than torch.tensor does
-    longs = _to_device(np.array([ids, positions, slots, src], dtype=np.int64), device)  # (4, T)
+    longs = np.array([ids, positions, slots, src], dtype=np.int64)  # (4, T)
     a, c = -B % 4, -(B + 1) % 4  # padding that starts each part at a 16-byte boundary, so Triton always sees one alignment
-    ints = _to_device(np.concatenate([np.array(lens + [0] * a + cu + [0] * c, np.int32),
-                                      block_table_array(tables + [[]] * pad, W).ravel()]), device)  # (B + a + B+1 + c + B*W,)
+    ints = np.concatenate([np.array(lens + [0] * a + cu + [0] * c, np.int32),
+                           block_table_array(tables + [[]] * pad, W).ravel()])  # (B + a + B+1 + c + B*W,)
+    both = _to_device(np.concatenate([longs.ravel().view(np.int32), ints]), device)  # one copy; the longs as pairs of int32
+    longs, ints = both[:longs.size * 2].view(torch.int64).view(longs.shape), both[longs.size * 2:]
     if in_flight is not None and max(src) >= 0:  # fill in the tokens that never visited the host
         longs[0] = torch.where(longs[3] >= 0, in_flight[longs[3].clamp(min=0)], longs[0])
     cu0, t0 = B + a, 2 * B + 1 + a + c  # where cu_seqlens_q and the block tables start

@@ -3,7 +3,8 @@ float16), on the GPU in bfloat16 (marked `gpu`), and a fused model against the u
 import pytest
 import torch
 
-from nanoserve.fused_ops import fuse_small_ops, merge_linears, rms_norm, rope, silu_and_mul, unfuse_small_ops
+from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, merge_linears, rms_norm, rope, silu_and_mul,
+                                 unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
@@ -40,6 +41,42 @@ def test_rope_equals_apply_rope(dtype, T, H, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_the_merged_heads(dtype):
+    T, H, K, D = 5, 4, 2, 64
+    heads = torch.randn(T, H + 2 * K, D, device=DEVICE).to(dtype)  # q, k, v heads side by side, as the merged matmul gives them
+    cos, sin = angles(T, D)
+    expected = torch.cat([apply_rope(heads[:, :H + K].contiguous(), cos, sin), heads[:, H + K:]], 1)
+    assert rope(heads[:, :H + K], cos, sin, out=heads[:, :H + K]).data_ptr() == heads.data_ptr()
+    torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-6)  # rotated in place; v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, E", [(1, 64), (7, 576), (3, 100)])
+def test_add_rms_norm_equals_add_then_norm(dtype, T, E):
+    norm = RMSNorm(E, eps=1e-5).to(DEVICE, dtype)
+    torch.nn.init.normal_(norm.weight)
+    x, h = torch.randn(T, E, device=DEVICE).to(dtype), torch.randn(T, E, device=DEVICE).to(dtype)
+    total, normed = add_rms_norm(x, h, norm.weight, norm.eps)
+    assert torch.equal(total, x + h)  # rounded as the add rounds
+    torch.testing.assert_close(normed, norm(x + h), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    same, normed_alone = add_rms_norm(x, None, norm.weight, norm.eps)  # nothing pending: a plain norm
+    assert same is x and torch.equal(normed_alone, rms_norm(x, norm.weight, norm.eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", [(1, 16), (7, 300), (300, 1500), (64, 2048 + 8)])
+def test_gemv_is_as_close_to_float64_as_f_linear(dtype, N, K):
+    w, x = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(dtype), torch.randn(1, K, device=DEVICE).to(dtype)
+    exact = x.double() @ w.double().T
+    ours, theirs = linear(x, w), torch.nn.functional.linear(x, w)
+    assert ours.shape == theirs.shape == (1, N) and ours.dtype == dtype
+    err, their_err = (ours.double() - exact).abs().max().item(), (theirs.double() - exact).abs().max().item()
+    ulp = torch.finfo(dtype).eps * exact.abs().max().item()
+    assert err <= their_err + ulp, (err, their_err)  # float32 sums in another order: within one rounding of cuBLAS's
+    torch.testing.assert_close(linear(x.expand(3, K), w), torch.nn.functional.linear(x.expand(3, K), w))  # rows > 1: F.linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     g, u = torch.randn(5, 1500, device=DEVICE).to(dtype), torch.randn(5, 1500, device=DEVICE).to(dtype)
     torch.testing.assert_close(silu_and_mul(torch.cat([g, u], -1)), torch.nn.functional.silu(g) * u,
@@ -63,8 +100,12 @@ def test_fused_model_equals_unfused(arch):
         attn = model.model.layers[0].self_attn
         assert "qkv" in attn.__dict__ and attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # same names, same values
+        one, at = ids[:1], torch.tensor([9], device=DEVICE)  # a decode step: one token, GEMVs and the in-place RoPE
+        fused_one = model(one, at)
         again = unfuse_small_ops(model)(ids)
+        plain_one = model(one, at)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_one, plain_one, atol=1e-5, rtol=1e-5)
     assert torch.equal(again, plain) and "forward" not in model.model.norm.__dict__ and "qkv" not in attn.__dict__
 
 
@@ -75,6 +116,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="cos and sin must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(3, 8))
     with pytest.raises(ValueError, match="even last dim"): silu_and_mul(x[:, :7])
     with pytest.raises(ValueError, match="without bias"): merge_linears(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="x and h must be"): add_rms_norm(x, x[:2], torch.ones(8, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \(8,\)"): add_rms_norm(x, x, torch.ones(7, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="gemv needs"): gemv(x[0], torch.randn(3, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(2, 8), out=torch.empty(2, 2, 8, device=DEVICE))
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ import pytest, torch
 from hypothesis import given, settings, strategies as st
 
 from nanoserve.loader import load_model
-from nanoserve.sampling import (MAX_LOGPROBS, SamplingParams, SamplingTensors, StopCheck, check_stop, exponential_race,
+from nanoserve.sampling import (MAX_LOGPROBS, argmax_rows, SamplingParams, SamplingTensors, StopCheck, check_stop, exponential_race,
                                 filter_logits, find_stop, greedy_naive, make_generator, sample)
 from nanoserve.testing import hf_default_model, hf_default_model_dir, hf_model, tiny_model_dir
 
@@ -151,6 +151,17 @@ def test_top_k_larger_than_vocab_and_disabled_values():
 
 
 # ---------------------------------------------------------------- greedy rows, seeds, logprobs
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([7, 4096, 49152, 128256, 151936]), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_argmax_rows_equals_argmax_ties_included(B, V, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (B, V), generator=g).to(dtype)  # few distinct values: many ties, across chunks too
+    x[0, torch.randint(0, V, (3,), generator=g)] = 9  # the maximum three times in one row
+    x = x.to("cuda" if torch.cuda.is_available() else "cpu")  # on a GPU, CUDA's reduction breaks ties as well
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+
 
 def test_greedy_rows_equal_argmax_in_a_mixed_batch():
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(0)) * 2
