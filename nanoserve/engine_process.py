@@ -9,7 +9,7 @@ __all__ = ['log', 'OutputDelta', 'DeltaTracker', 'OutputAssembly', 'EngineLoop',
 import logging, multiprocessing, os, signal, threading, time
 from dataclasses import dataclass, field
 
-from .async_engine import AsyncLLMEngine, EngineStats, EngineStopped, RequestFailed, _settle, engine_stats
+from .async_engine import AsyncLLMEngine, EngineStats, EngineStopped, RequestFailed, _settle, engine_stats, hand_over
 from .engine import LLMEngine, RequestMetrics, RequestOutput, _tokenizer_or_none
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,10 @@ class OutputDelta:
     finish_reason: str | None = None
     error: str | None = None      # why the engine failed this request, if it did
     metrics: RequestMetrics | None = None  # the request's timings, once it has finished
+
+    def __reduce__(self):  # pickled as the constructor's arguments, not as a slotted dataclass's state (timed below)
+        return OutputDelta, (self.request_id, self.text_start, self.text, self.token_ids, self.logprobs, self.finished,
+                             self.finish_reason, self.error, self.metrics)
 
 class DeltaTracker:
     "The engine process's memory of what it has sent of each request."
@@ -98,8 +102,8 @@ class EngineLoop:
             log.exception("the engine could not take request %s", request_id)
             return self.outbox.append(("verdict", request_id, "failed", f"the engine could not take this request: {type(e).__name__}: {e}", None))
         self.taken.add(request_id)
-        seq = self.engine.requests[request_id].seq
-        self.outbox.append(("verdict", request_id, None, seq.arrival_time, seq.prompt_token_ids))
+        seq = self.engine.requests[request_id].seq  # a prompt of token ids is the client's already: only a text's go back
+        self.outbox.append(("verdict", request_id, None, seq.arrival_time, seq.prompt_token_ids if isinstance(prompt, str) else None))
 
     def abort(self, request_id: str, error: tuple | None = None):
         "Abort a request, freeing its blocks; its final delta goes out with `error` ((kind, message)), if given."
@@ -213,9 +217,10 @@ def _receive(self: EngineProcess):
     stopped = False
     try:
         while not stopped:
+            items = []  # (stream, output or error) pairs of this message, handed over together
             for kind, *args in self._conn.recv():
                 if kind == "verdict": self._verdict(*args)
-                elif kind == "output": self._output(*args)
+                elif kind == "output": self._output(items, *args)
                 elif kind == "stats": self.stats = args[0]
                 elif kind == "lost": self._lost(*args)
                 elif kind == "stopped":
@@ -223,6 +228,8 @@ def _receive(self: EngineProcess):
                     self.step_seconds = args[1]
                     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in args[1].items())
                     log.info("engine process stopped after %d steps (%s)", args[0], phases)
+            for request_id in hand_over(items):
+                if request_id in self._streams: self.abort(request_id)  # still running, and its reader's loop has closed
     except (EOFError, OSError): pass
     finally:
         self._fail_all(stopped)
@@ -233,23 +240,23 @@ def _verdict(self: EngineProcess, request_id: str, refused: str | None, detail, 
     error = None if refused is None else {"stopped": EngineStopped, "failed": RequestFailed}.get(refused, ValueError)(detail)
     if error is None:
         self._streams[request_id] = stream
-        self._assemblies[request_id] = OutputAssembly(request_id, prompt if isinstance(prompt, str) else None,
-                                                      prompt_token_ids, arrival_time=detail)
+        text = isinstance(prompt, str)  # else the prompt is its token ids, and the engine sent none back
+        self._assemblies[request_id] = OutputAssembly(request_id, prompt if text else None,
+                                                      prompt_token_ids if text else list(prompt), arrival_time=detail)
     try: stream.loop.call_soon_threadsafe(_settle, accepted, error)
     except RuntimeError: pass  # the caller's loop is gone
 
-def _output(self: EngineProcess, delta: OutputDelta, error: tuple | None):
-    "Apply a delta and hand the output (or the request's error) to its stream."
+def _output(self: EngineProcess, items: list, delta: OutputDelta, error: tuple | None):
+    "Apply a delta; the output (or the request's error) joins `items`, with its stream."
     out = self._assemblies[delta.request_id].apply(delta)
     kind, message = error or (("failed", delta.error) if delta.error else (None, None))
     stream = self._streams.get(delta.request_id)
-    item = out if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)
-    delivered = stream is not None and stream.put(item)
+    if stream is not None:
+        items.append((stream, out if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)))
     if out.finished:
         self._streams.pop(delta.request_id, None)
         del self._assemblies[delta.request_id]
         self._finished(out)
-    elif stream is not None and not delivered: self.abort(delta.request_id)  # its reader's loop has closed
 
 def _lost(self: EngineProcess, request_id: str, message: str):
     "A request that finished in a failed step: its stream ends with the step's error."
@@ -270,7 +277,7 @@ def _fail_all(self: EngineProcess, stopped: bool):
     for request_id, (stream, accepted, _) in list(self._pending.items()):
         try: stream.loop.call_soon_threadsafe(_settle, accepted, EngineStopped(str(error)))
         except RuntimeError: pass
-    for stream in self._streams.values(): stream.put(error)
+    hand_over([(stream, error) for stream in self._streams.values()])
     self._pending.clear(); self._streams.clear(); self._assemblies.clear()
 
 def _shutdown(self: EngineProcess, timeout: float = 30.0):

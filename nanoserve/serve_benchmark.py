@@ -96,28 +96,39 @@ def _error_message(body: bytes) -> str:
     try: return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError): return body[:200].decode(errors="replace")
 
+_TOKEN_CHUNK = {"choices": [{}]}  # what the client reads of a chunk with choices and nothing else: that it has choices
+
+def _plain_token_chunk(data: bytes) -> bool:
+    "Whether an event's JSON is a chunk with choices, no error and no usage, judged from its bytes (compact JSON only)."
+    return b'"choices":[{' in data and b'"error":' not in data and (b'"usage":' not in data or b'"usage":null' in data)
+
 async def _read_stream(client: httpx.AsyncClient, payload: dict, res: RequestResult, sent: float):
     "POST `payload` to /v1/completions and fill `res` from its event stream."
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         if response.status_code != 200:
             res.error = f"HTTP {response.status_code}: {_error_message(await response.aread())}"
             return
-        last, done = None, False
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"): continue  # blank separators, comments
-            data, now = line[5:].strip(), time.perf_counter()
-            if data == "[DONE]": done = True; break
-            event = json.loads(data)
-            if "error" in event:
-                err = event["error"]
-                res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                return
-            if event.get("choices"):
-                if last is None: res.ttft = now - sent
-                else: res.itl.append(now - last)
-                last = now
-            if event.get("usage"):
-                res.prompt_tokens, res.output_tokens = event["usage"]["prompt_tokens"], event["usage"]["completion_tokens"]
+        last, done, rest = None, False, b""
+        async for piece in response.aiter_bytes():
+            now = time.perf_counter()  # when the events in this piece arrived
+            lines = (rest + piece).splitlines(keepends=True)
+            rest = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""  # a line still arriving
+            for line in lines:
+                if not line.startswith(b"data:"): continue  # blank separators, comments
+                data = line[5:].strip()
+                if data == b"[DONE]": done = True; break
+                event = _TOKEN_CHUNK if _plain_token_chunk(data) else json.loads(data)
+                if "error" in event:
+                    err = event["error"]
+                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                    return
+                if event.get("choices"):
+                    if last is None: res.ttft = now - sent
+                    else: res.itl.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    res.prompt_tokens, res.output_tokens = event["usage"]["prompt_tokens"], event["usage"]["completion_tokens"]
+            if done: break
     res.e2e = None if last is None else last - sent
     if not done: res.error = "the stream ended before data: [DONE]"
     elif last is None: res.error = "no chunk with choices"
@@ -220,10 +231,12 @@ def raise_open_file_limit(wanted: int) -> int:
 
 # %% ../chapters/12d_serve_benchmark.ipynb #8aaccdf7
 def run_sync(coro):
-    "asyncio.run(coro), from a worker thread when this thread already runs an event loop (Jupyter)."
+    "asyncio.run(coro), on uvloop where it is installed; from a worker thread when this thread already runs an event loop (Jupyter)."
+    try: from uvloop import run  # libuv's event loop: less Python per socket read, and the client reads a lot of them
+    except ImportError: run = asyncio.run
     try: asyncio.get_running_loop()
-    except RuntimeError: return asyncio.run(coro)
-    with ThreadPoolExecutor(1) as pool: return pool.submit(asyncio.run, coro).result()
+    except RuntimeError: return run(coro)
+    with ThreadPoolExecutor(1) as pool: return pool.submit(run, coro).result()
 
 # %% ../chapters/12d_serve_benchmark.ipynb #f1908cd0
 def _request_record(r: RequestResult) -> dict:

@@ -1,7 +1,7 @@
 """Chapter 12e: the engine in a child process behind AsyncLLMEngine's interface. Outputs equal LLM.generate's (stop
 strings and log probabilities included); aborts free blocks in the child; refusals, overload, shutdown and a killed
 engine process each end their requests with the right error; the server runs on it unchanged."""
-import asyncio, os, re, signal, socket, subprocess, sys, time
+import asyncio, os, pickle, re, signal, socket, subprocess, sys, time
 
 import httpx
 import openai
@@ -9,7 +9,8 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.async_engine import EngineOverloaded, EngineStopped, RequestFailed
-from nanoserve.engine_process import DeltaTracker, EngineProcess, OutputAssembly
+from nanoserve.engine import RequestMetrics, TokenLogprobs
+from nanoserve.engine_process import DeltaTracker, EngineProcess, OutputAssembly, OutputDelta
 from nanoserve.loader import DEFAULT_MODEL
 from nanoserve.server import make_server, run_in_thread
 
@@ -50,6 +51,13 @@ def test_delta_round_trip_rebuilds_every_output(llm):
     assert not tracker.sent  # finished requests are forgotten
 
 
+def test_output_delta_pickles_to_itself():
+    "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
+    d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",
+                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1))
+    assert pickle.loads(pickle.dumps(d)) == d
+
+
 def test_outputs_equal_llm_generate(remote, llm):
     expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     async def main(): return await asyncio.gather(*(last_output(remote, p, q) for p, q in zip(PROMPTS, PARAMS)))
@@ -61,6 +69,29 @@ def test_outputs_equal_llm_generate(remote, llm):
             assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got.logprobs] == \
                    [(lp.token_id, [t for t, _ in lp.top]) for lp in want.logprobs]
         assert got.metrics.ttft is not None and got.metrics.e2e >= got.metrics.ttft
+
+
+def test_each_message_reaches_the_event_loop_in_one_call(remote):
+    "The receiver hands a message's outputs over together: a call per step and loop, not one per output."
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    async def main():
+        loop, calls = asyncio.get_running_loop(), []
+        def counted(*args, call=loop.call_soon_threadsafe):
+            calls.append(args[0])
+            return call(*args)
+        loop.call_soon_threadsafe = counted
+        steps = remote.stats.num_steps
+        outs = await asyncio.gather(*(last_output(remote, p, params) for p in PROMPTS))
+        return outs, len(calls), remote.stats.num_steps - steps
+    outs, calls, steps = asyncio.run(main())
+    assert all(len(out.token_ids) == 16 for out in outs)
+    assert calls <= len(PROMPTS) + steps < 16 * len(PROMPTS)  # the verdicts, then at most one hand-over per step
+
+
+def test_prompts_of_token_ids_are_not_sent_back(remote):
+    "The verdict of a token-id prompt carries no ids: the client keeps its own, as a list."
+    async def main(): return [await last_output(remote, p, SamplingParams(max_tokens=2)) for p in ([5, 6, 7], (5, 6, 7))]
+    for out in asyncio.run(main()): assert out.prompt_token_ids == [5, 6, 7] and out.prompt is None
 
 
 def test_abort_frees_blocks_in_the_engine_process(remote):

@@ -8,8 +8,9 @@ import pytest
 import uvicorn
 
 import nanoserve.serve_benchmark as serve_benchmark_module
-from nanoserve.serve_benchmark import (RequestResult, arrival_times, length_range, parse_goodput, percentile, raise_open_file_limit,
-                                       random_workload, serve_benchmark, summarize)
+from hypothesis import given, strategies as st
+from nanoserve.serve_benchmark import (RequestResult, _plain_token_chunk, arrival_times, length_range, parse_goodput, percentile,
+                                       raise_open_file_limit, random_workload, serve_benchmark, summarize)
 
 TTFT, ITL = 0.05, 0.01
 DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)  # what httpx.AsyncClient() uses
@@ -21,7 +22,8 @@ class FakeServer:
     pairs: two tokens per chunk.  bad: HTTP 400.  busy: HTTP 503 with Retry-After.  broken: error event after 3 chunks.
     drop: connection closed after 3 chunks.  hang: never answers.  nousage: no usage chunk.  nodone: no [DONE].
     mixed: by prompt[0] % 4: 0 ok, 1 bad, 2 broken, 3 drop.  slow: one token per `slow` s.
-    barrier: answer once `barrier` requests are in flight (or after `barrier_timeout` s), to count concurrency."""
+    barrier: answer once `barrier` requests are in flight (or after `barrier_timeout` s), to count concurrency.
+    compact: as ok, in compact JSON (as nanoserve and vLLM send it) with CRLF line ends, each event in two reads."""
 
     def __init__(self, max_model_len=4096):
         self.max_model_len, self.in_flight, self.peak, self.bodies, self.auth = max_model_len, 0, 0, [], None
@@ -54,7 +56,12 @@ class FakeServer:
 
     async def stream(self, send, req, mode):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        event = lambda obj: send({"type": "http.response.body", "body": f"data: {json.dumps(obj)}\n\n".encode(), "more_body": True})
+        async def event(obj):
+            if mode != "compact": return await send({"type": "http.response.body", "body": f"data: {json.dumps(obj)}\n\n".encode(), "more_body": True})
+            body = f"data: {json.dumps(obj, separators=(',', ':'))}\r\n\r\n".encode()
+            await send({"type": "http.response.body", "body": body[:12], "more_body": True})
+            await asyncio.sleep(0.002)  # the rest of the line comes in a later read
+            await send({"type": "http.response.body", "body": body[12:], "more_body": True})
         n, step = req["max_tokens"], (2 if mode == "pairs" else 1)
         deadline = time.perf_counter() + self.barrier_timeout
         while mode == "barrier" and self.in_flight < self.barrier and time.perf_counter() < deadline: await asyncio.sleep(0.01)
@@ -71,7 +78,7 @@ class FakeServer:
                 p = len(req["prompt"])
                 await event({"id": "cmpl-1", "object": "text_completion", "choices": [],
                              "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}})
-        await send({"type": "http.response.body", "body": b"" if mode == "nodone" else b"data: [DONE]\n\n"})
+        await send({"type": "http.response.body", "body": b"" if mode == "nodone" else b"data: [DONE]\r\n\r\n" if mode == "compact" else b"data: [DONE]\n\n"})
 
 
 @contextmanager
@@ -200,6 +207,38 @@ def test_tokens_come_from_usage_not_chunks(fake):
     res = serve_benchmark(url, model="pairs", num_prompts=3, input_len=4, output_len=9, detailed=True)
     assert res["total_output_tokens"] == 27 and all(len(r["itl_ms"]) == 4 for r in res["requests"])  # 5 chunks of 2,2,2,2,1
     assert res["mean_itl_ms"] > 1.5 * res["mean_tpot_ms"]  # several tokens per chunk: fewer, longer gaps
+
+
+def test_compact_json_crlf_and_lines_split_between_reads(fake):
+    "Compact chunks are read without parsing them; the counts and gaps are those of the same stream in spaced JSON."
+    _, url = fake
+    res = {m: serve_benchmark(url, model=m, num_prompts=3, input_len=4, output_len=7, detailed=True) for m in ("compact", "ok")}
+    for r in res.values():
+        assert (r["completed"], r["total_output_tokens"]) == (3, 21) and all(len(q["itl_ms"]) == 6 for q in r["requests"])
+        assert 45 <= r["median_ttft_ms"] < 120 and 9 <= r["median_itl_ms"] < 30
+
+
+def compact(obj) -> bytes: return json.dumps(obj, separators=(",", ":")).encode()
+
+@pytest.mark.parametrize("data, plain", [
+    (compact({"id": "c", "choices": [{"index": 0, "text": "x", "finish_reason": None}], "usage": None}), True),
+    (compact({"id": "c", "choices": [{"index": 0, "text": "x"}]}), True),
+    (compact({"id": "c", "choices": [{"text": '"usage":{"error":1}'}]}), True),  # quotes inside a string are escaped
+    (compact({"id": "c", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7}}), False),
+    (compact({"id": "c", "choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}), False),  # usage in every chunk
+    (compact({"error": {"message": "engine died"}}), False),
+    (json.dumps({"id": "c", "choices": [{"index": 0, "text": "x"}]}).encode(), False),  # spaced JSON is parsed
+])
+def test_plain_token_chunks_are_recognized_from_their_bytes(data, plain):
+    assert _plain_token_chunk(data) == plain
+
+
+@given(st.text(), st.one_of(st.none(), st.text()), st.sampled_from(["choices", "usage", "error"]))
+def test_a_chunk_said_plain_parses_to_choices_without_usage_or_error(text, reason, extra):
+    "Whatever the text holds, the bytes test never calls a chunk with usage or an error plain."
+    event = {"choices": [{"index": 0, "text": text, "finish_reason": reason}], "usage": None}
+    if extra != "choices": event[extra] = {"message": text, "completion_tokens": 1}
+    assert _plain_token_chunk(compact(event)) == (extra == "choices")
 
 
 @pytest.mark.parametrize("model, error", [("bad", "HTTP 400: bad request"), ("busy", "HTTP 503: overloaded"),
