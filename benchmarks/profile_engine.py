@@ -26,12 +26,31 @@ def timed_steps(engine):
     return record
 
 
+def first_token(engine, prompt):
+    "Milliseconds to one request's only token (max_tokens=1), step by step, best of five; torch.profiler tables of one more."
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    def once():
+        engine.add_request(None, prompt, params)
+        steps = []
+        while engine.has_unfinished():
+            t = time.perf_counter(); engine.step(); steps.append(1e3 * (time.perf_counter() - t))
+        return sum(steps), steps
+    best = min((once() for _ in range(5)), key=lambda r: r[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as tp:
+        once(); torch.cuda.synchronize()
+    averages = tp.key_averages()
+    return {"ms": best[0], "ms_per_step": best[1], "host_ops": averages.table(sort_by="self_cpu_time_total", row_limit=25),
+            "kernels": averages.table(sort_by="self_cuda_time_total", row_limit=25)}
+
+
 def single_stream(llm, a, opts):
     "The kernels of one sequence's decode steps (128-token prompt), as `bench latency` runs it."
     engine = llm.llm_engine
     prompt = random_requests(1, (128, 128), (1, 1), seed=0)[0][0]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     llm.generate([prompt], [params], use_tqdm=False)  # warm-up
+    prefill = first_token(engine, prompt)
+    print(prefill["host_ops"], prefill["kernels"], sep="\n", file=sys.stderr)
     engine.add_request(None, prompt, params)
     for _ in range(16): engine.step()
     torch.cuda.synchronize()
@@ -45,7 +64,8 @@ def single_stream(llm, a, opts):
     torch.cuda.synchronize()
     res = {"model": a.model, "engine_options": opts, "gpu": torch.cuda.get_device_name(), "single_stream": True,
            "ms_per_decode_step": 1e3 * (time.perf_counter() - t) / steps,
-           "ms_per_step_by_phase": {k: 1e3 * v / steps for k, v in engine.step_seconds.items()}}
+           "ms_per_step_by_phase": {k: 1e3 * v / steps for k, v in engine.step_seconds.items()},
+           "first_token": {k: prefill[k] for k in ("ms", "ms_per_step")}}
     prof = cProfile.Profile()  # the host's own time per step, GPU waits included
     engine.add_request(None, prompt, params)
     for _ in range(16): engine.step()
@@ -58,7 +78,8 @@ def single_stream(llm, a, opts):
     res["cprofile_100_steps"] = s.getvalue()
     print(kernels, file=sys.stderr)
     print(json.dumps(res, indent=1))
-    if a.out: json.dump(res | {"kernels": kernels}, open(a.out, "w"), indent=1)
+    if a.out: json.dump(res | {"kernels": kernels, "first_token_host_ops": prefill["host_ops"], "first_token_kernels": prefill["kernels"]},
+                        open(a.out, "w"), indent=1)
 
 
 def main():

@@ -93,7 +93,8 @@ def rope(x: torch.Tensor,  # (T, H, D)
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} with a contiguous last dim; got {tuple(out.shape)} {out.dtype}")
     if T:
         _rope_kernel[(T,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
-                           HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
+                           HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2),
+                           enable_fp_fusion=False)  # keep each product's rounding: no fused multiply-add
     return out
 
 # %% ../chapters/09b_fused_ops.ipynb #e8e61fb3
