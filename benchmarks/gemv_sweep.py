@@ -15,7 +15,7 @@ def gemv(x, w, BLOCK_N, BLOCK_K, num_warps, num_stages):
     N, K = w.shape
     out = torch.empty(N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, w, out, N, K, w.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                            num_warps=num_warps, num_stages=num_stages)
+                                            num_warps=num_warps, num_stages=num_stages, PDL=False)
     return out
 
 

@@ -7,7 +7,7 @@ __all__ = ['SILU_BLOCK', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_NUM_WARPS', 'GEMV
            'merge_linears', 'add_rms_norm', 'gemv', 'linear', 'fuse_small_ops', 'unfuse_small_ops']
 
 # %% ../chapters/09b_fused_ops.ipynb #efe58ad6
-import types
+import functools, types
 
 import torch
 import triton
@@ -27,7 +27,9 @@ def _normalize(x, w_ptr, offs, mask, E, eps, dtype: tl.constexpr):
     return (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y).to(dtype)
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, E, eps, BLOCK_E: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next kernel may start now (see "Overlapping a matmul with the kernel before it")
+        tl.extra.cuda.gdc_launch_dependents()
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -38,6 +40,11 @@ def _check_device(*tensors):
     "All on one CUDA device, or Triton's interpreter is on."
     if any(t.device.type != "cuda" for t in tensors) and not interpreting():
         raise ValueError("the fused kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
+
+@functools.lru_cache
+def _pdl(device: torch.device) -> bool:
+    "Programmatic dependent launch on `device`: a Hopper or newer GPU, not the interpreter."
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 def rms_norm(x: torch.Tensor,  # (..., E)
              weight: torch.Tensor,  # (E,)
@@ -53,7 +60,7 @@ def rms_norm(x: torch.Tensor,  # (..., E)
     if len(rows):
         BLOCK_E = triton.next_power_of_2(E)
         _rms_norm_kernel[(len(rows),)](rows, weight, out, rows.stride(0), out.stride(0), E, eps,
-                                       BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)))
+                                       BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)), PDL=_pdl(x.device))
     return out.view(x.shape)
 
 # %% ../chapters/09b_fused_ops.ipynb #8824c2fb
@@ -101,7 +108,9 @@ def rope(x: torch.Tensor,  # (T, H, D)
 SILU_BLOCK = 1024  # elements of a row per program
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     dtype = out_ptr.dtype.element_ty
@@ -118,7 +127,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
     if rows.stride(-1) != 1: rows = rows.contiguous()
     F = rows.shape[-1] // 2
     out = torch.empty(len(rows), F, dtype=x.dtype, device=x.device)
-    if out.numel(): _silu_and_mul_kernel[(len(rows), triton.cdiv(F, SILU_BLOCK))](rows, out, rows.stride(0), out.stride(0), F, BLOCK=SILU_BLOCK)
+    if out.numel():
+        _silu_and_mul_kernel[(len(rows), triton.cdiv(F, SILU_BLOCK))](rows, out, rows.stride(0), out.stride(0), F, BLOCK=SILU_BLOCK,
+                                                                      PDL=_pdl(x.device))
     return out.view(*x.shape[:-1], F)
 
 # %% ../chapters/09b_fused_ops.ipynb #34825099
@@ -131,7 +142,9 @@ def merge_linears(*linears: torch.nn.Linear) -> torch.Tensor:
 
 # %% ../chapters/09b_fused_ops.ipynb #b2e6f8a1
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, E, eps, BLOCK_E: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     dtype = out_ptr.dtype.element_ty
@@ -155,19 +168,25 @@ def add_rms_norm(x: torch.Tensor,  # (T, E): the residual stream
     total, out = torch.empty_like(x), torch.empty_like(x)
     if T:
         BLOCK_E = triton.next_power_of_2(E)
-        _add_rms_norm_kernel[(T,)](x, h, weight, total, out, E, eps, BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)))
+        _add_rms_norm_kernel[(T,)](x, h, weight, total, out, E, eps, BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)),
+                                   PDL=_pdl(x.device))
     return total, out
 
 # %% ../chapters/09b_fused_ops.ipynb #a7d1e3f6
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_NUM_WARPS, GEMV_NUM_STAGES = 2, 1024, 4, 2  # chosen on an H100 (benchmarks/gemv_sweep.py)
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # the weight rows (outputs) of this program
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # partial products, summed over K once at the end
-    for k0 in range(0, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)  # the first tile, peeled off the loop so that it can load before the wait
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+    if PDL:  # launched early: the weight is loading, and x, the previous kernel's output, is safe to read after this
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K) partial products, summed over K at the end
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
@@ -176,7 +195,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_mask)
 
 def gemv(x: torch.Tensor,  # (K,)
-         weight: torch.Tensor) -> torch.Tensor:  # (N, K) -> (N,)
+         weight: torch.Tensor,  # (N, K) -> (N,)
+         pdl: bool | None = None) -> torch.Tensor:  # start loading the weight before the previous kernel ends; None: where supported
     "weight @ x in one Triton kernel that streams the weight once, accumulating in float32."
     if x.dim() != 1 or weight.dim() != 2 or weight.shape[1] != len(x) or weight.stride(-1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"gemv needs x (K,) and weight (N, K) of one dtype with a contiguous last dim; "
@@ -184,10 +204,12 @@ def gemv(x: torch.Tensor,  # (K,)
     _check_device(x, weight)
     N, K = weight.shape
     x, out = x.contiguous(), torch.empty(N, dtype=x.dtype, device=x.device)
+    pdl = _pdl(x.device) if pdl is None else pdl
+    if pdl and not _pdl(x.device): raise ValueError(f"programmatic dependent launch needs a Hopper or newer GPU, not {x.device}")
     if N:
         _gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](x, weight, out, N, K, weight.stride(0), BLOCK_N=GEMV_BLOCK_N,
                                                       BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(K)),
-                                                      num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES)
+                                                      num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, PDL=pdl, launch_pdl=pdl)
     return out
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (T, K), (N, K) -> (T, N)

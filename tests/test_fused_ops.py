@@ -120,6 +120,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="x and h must be"): add_rms_norm(x, x[:2], torch.ones(8, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"): add_rms_norm(x, x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="gemv needs"): gemv(x[0], torch.randn(3, 7, device=DEVICE))
+    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9):
+        with pytest.raises(ValueError, match="programmatic dependent launch"): gemv(x[0], torch.randn(3, 8, device=DEVICE), pdl=True)
     with pytest.raises(ValueError, match="out must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(2, 8), out=torch.empty(2, 2, 8, device=DEVICE))
 
 
@@ -150,3 +152,32 @@ def test_gpu_one_token_step_fused_equals_unfused_in_bf16(arch):
         unfuse_small_ops(model)
     assert "forward" not in model.lm_head.__dict__
     torch.testing.assert_close(fused, plain, atol=3e-2, rtol=3e-2)  # bf16: sums in other orders, a few last-bit roundings
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
+def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph():
+    "An early-launched GEMV (PDL) reads its input only after the kernel before it has finished: a long chain of MLP blocks, bit for bit."
+    E, F, dt = 2048, 8192, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gain = 1 + torch.randn(E, device="cuda", generator=g).to(dt) / 10
+    gate_up = (torch.randn(2 * F, E, device="cuda", generator=g) / E ** 0.5).to(dt)
+    down = (torch.randn(E, F, device="cuda", generator=g) / F ** 0.5).to(dt)
+    x0 = torch.randn(1, E, device="cuda", generator=g).to(dt)
+
+    def blocks(pdl):  # add_rms_norm and silu_and_mul let the next GEMV start early; the GEMVs wait for them
+        x, h, outs = x0, None, []
+        for _ in range(24):
+            x, normed = add_rms_norm(x, h, gain, 1e-5)
+            h = gemv(silu_and_mul(gemv(normed[0], gate_up, pdl=pdl)), down, pdl=pdl)[None]
+            outs.append(h)
+        return torch.cat(outs)
+
+    plain = blocks(False)
+    assert torch.equal(blocks(True), plain)
+    blocks(True)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): captured = blocks(True)
+    for _ in range(5):
+        captured.zero_(); graph.replay(); torch.cuda.synchronize()
+        assert torch.equal(captured, plain)
