@@ -28,8 +28,9 @@ def _normalize(x, w_ptr, offs, mask, E, eps, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next kernel may start now (see "Overlapping a matmul with the kernel before it")
+    if PDL:  # launched early: let the next kernel start too, then wait for the previous one to finish (see below)
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -59,14 +60,18 @@ def rms_norm(x: torch.Tensor,  # (..., E)
     out = torch.empty_like(rows)
     if len(rows):
         BLOCK_E = triton.next_power_of_2(E)
+        pdl = _pdl(x.device)
         _rms_norm_kernel[(len(rows),)](rows, weight, out, rows.stride(0), out.stride(0), E, eps,
-                                       BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)), PDL=_pdl(x.device))
+                                       BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)), PDL=pdl, launch_pdl=pdl)
     return out.view(x.shape)
 
 # %% ../chapters/09b_fused_ops.ipynb #8824c2fb
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, H,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t, offs_h, offs_d = tl.program_id(0), tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     mask = (offs_h < H)[:, None] & d_mask[None, :]
@@ -101,6 +106,7 @@ def rope(x: torch.Tensor,  # (T, H, D)
     if T:
         _rope_kernel[(T,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
                            HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2),
+                           PDL=_pdl(x.device), launch_pdl=_pdl(x.device),
                            enable_fp_fusion=False)  # keep each product's rounding: no fused multiply-add
     return out
 
@@ -111,6 +117,7 @@ SILU_BLOCK = 1024  # elements of a row per program
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     dtype = out_ptr.dtype.element_ty
@@ -128,8 +135,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
     F = rows.shape[-1] // 2
     out = torch.empty(len(rows), F, dtype=x.dtype, device=x.device)
     if out.numel():
+        pdl = _pdl(x.device)
         _silu_and_mul_kernel[(len(rows), triton.cdiv(F, SILU_BLOCK))](rows, out, rows.stride(0), out.stride(0), F, BLOCK=SILU_BLOCK,
-                                                                      PDL=_pdl(x.device))
+                                                                      PDL=pdl, launch_pdl=pdl)
     return out.view(*x.shape[:-1], F)
 
 # %% ../chapters/09b_fused_ops.ipynb #34825099
@@ -145,6 +153,7 @@ def merge_linears(*linears: torch.nn.Linear) -> torch.Tensor:
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     dtype = out_ptr.dtype.element_ty
@@ -169,7 +178,7 @@ def add_rms_norm(x: torch.Tensor,  # (T, E): the residual stream
     if T:
         BLOCK_E = triton.next_power_of_2(E)
         _add_rms_norm_kernel[(T,)](x, h, weight, total, out, E, eps, BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)),
-                                   PDL=_pdl(x.device))
+                                   PDL=_pdl(x.device), launch_pdl=_pdl(x.device))
     return total, out
 
 # %% ../chapters/09b_fused_ops.ipynb #a7d1e3f6
@@ -182,7 +191,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)  # the first tile, peeled off the loop so that it can load before the wait
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
-    if PDL:  # launched early: the weight is loading, and x, the previous kernel's output, is safe to read after this
+    if PDL:  # launched early: the weight is loading; let the next kernel start, and wait until x, the previous kernel's output, is ready
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K) partial products, summed over K at the end

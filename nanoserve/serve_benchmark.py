@@ -212,7 +212,8 @@ async def run_requests(base_url: str, requests: list, arrivals: list, model: str
         t0 = time.perf_counter()
 
         async def one(i, prompt, max_tokens, at):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            while (wait := t0 + at - time.perf_counter()) > 0:  # uvloop's timers run on a cached clock and can fire early
+                await asyncio.sleep(wait)
             async with gate: return await stream_completion(clients[i % len(clients)], model, prompt, max_tokens, timeout, t0)
 
         results = await asyncio.gather(*(one(i, p, n, at) for i, ((p, n), at) in enumerate(zip(requests, arrivals))))

@@ -3,6 +3,7 @@ float16), on the GPU in bfloat16 (marked `gpu`), and a fused model against the u
 import pytest
 import torch
 
+from nanoserve import fused_ops
 from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, merge_linears, rms_norm, rope, silu_and_mul,
                                  unfuse_small_ops)
 from nanoserve.loader import load_model
@@ -156,28 +157,33 @@ def test_gpu_one_token_step_fused_equals_unfused_in_bf16(arch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
-def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph():
-    "An early-launched GEMV (PDL) reads its input only after the kernel before it has finished: a long chain of MLP blocks, bit for bit."
+def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkeypatch):
+    "Kernels launched early (PDL) read their inputs only after the kernel before has finished: a long chain of them, bit for bit."
     E, F, dt = 2048, 8192, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
     gain = 1 + torch.randn(E, device="cuda", generator=g).to(dt) / 10
     gate_up = (torch.randn(2 * F, E, device="cuda", generator=g) / E ** 0.5).to(dt)
     down = (torch.randn(E, F, device="cuda", generator=g) / F ** 0.5).to(dt)
     x0 = torch.randn(1, E, device="cuda", generator=g).to(dt)
+    cos, sin = (a[1:] for a in angles(2, 64))  # position 1: a real rotation
 
-    def blocks(pdl):  # add_rms_norm and silu_and_mul let the next GEMV start early; the GEMVs wait for them
+    def blocks():  # with PDL, every kernel here lets the next one start early, and waits for the one before it
         x, h, outs = x0, None, []
         for _ in range(24):
-            x, normed = add_rms_norm(x, h, gain, 1e-5)
-            h = gemv(silu_and_mul(gemv(normed[0], gate_up, pdl=pdl)), down, pdl=pdl)[None]
+            x, normed = add_rms_norm(x, h, gain, 1e-5)  # rms_norm when h is None
+            up = gemv(normed[0], gate_up)
+            rope(up.view(1, -1, 64), cos, sin, out=up.view(1, -1, 64))  # in place, as on the merged q/k/v
+            h = gemv(silu_and_mul(up), down)[None]
             outs.append(h)
         return torch.cat(outs)
 
-    plain = blocks(False)
-    assert torch.equal(blocks(True), plain)
-    blocks(True)  # warm-up outside the capture
+    early = blocks()
+    with monkeypatch.context() as m:
+        m.setattr(fused_ops, "_pdl", lambda device: False)  # every launch plain
+        plain = blocks()
+    assert torch.equal(early, plain)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): captured = blocks(True)
+    with torch.cuda.graph(graph): captured = blocks()
     for _ in range(5):
         captured.zero_(); graph.replay(); torch.cuda.synchronize()
         assert torch.equal(captured, plain)

@@ -197,9 +197,11 @@ def test_counts_and_latencies_against_known_server(fake):
         assert r["tpot_ms"] == pytest.approx((r["e2el_ms"] - r["ttft_ms"]) / (n - 1))
     starts = [r["start_s"] for r in res["requests"]]
     arrivals = arrival_times(12, 50, seed=1)
-    # Sent on schedule: never before its arrival time (a burst would send all at t=0, and the arrivals span ~0.2 s).
-    # Lateness is bounded loosely: a loaded 2-core CI machine can hold the event loop for tens of milliseconds.
-    assert all(a - 0.001 <= s < a + 0.5 for s, a in zip(starts, arrivals))
+    # Sent on schedule: never before its arrival time (a burst would send all at t=0, and the arrivals span ~0.2 s),
+    # and typically on time. A loaded 2-core CI machine can stall the event loop now and then, so lateness is judged
+    # by the median, not by every request.
+    late = sorted(s - a for s, a in zip(starts, arrivals))
+    assert late[0] >= 0 and late[len(late) // 2] < 0.05, list(zip(starts, arrivals))
     assert res["duration"] >= arrivals[-1] + TTFT
     json.dumps(res, allow_nan=False)  # a valid JSON record
 
