@@ -7,14 +7,14 @@ __all__ = ['SILU_BLOCK', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_NUM_WARPS', 'GEMV
            'merge_linears', 'add_rms_norm', 'gemv', 'linear', 'fuse_small_ops', 'unfuse_small_ops']
 
 # %% ../chapters/09b_fused_ops.ipynb #efe58ad6
-import functools, types
+import types
 
 import torch
 import triton
 import triton.language as tl
 
 from .attention import Attention, causal_attention
-from .kernels import interpreting
+from .kernels import _follow_early, _pdl, interpreting
 from .mlp import MLP
 from .model import Transformer
 from .norm import RMSNorm
@@ -28,9 +28,7 @@ def _normalize(x, w_ptr, offs, mask, E, eps, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early: let the next kernel start too, then wait for the previous one to finish (see below)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    _follow_early(PDL)  # chapter 9: with programmatic dependent launch, start early but read only after the previous kernel
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -41,11 +39,6 @@ def _check_device(*tensors):
     "All on one CUDA device, or Triton's interpreter is on."
     if any(t.device.type != "cuda" for t in tensors) and not interpreting():
         raise ValueError("the fused kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
-
-@functools.lru_cache
-def _pdl(device: torch.device) -> bool:
-    "Programmatic dependent launch on `device`: a Hopper or newer GPU, not the interpreter."
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 def rms_norm(x: torch.Tensor,  # (..., E)
              weight: torch.Tensor,  # (E,)
@@ -69,9 +62,7 @@ def rms_norm(x: torch.Tensor,  # (..., E)
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, H,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    _follow_early(PDL)
     t, offs_h, offs_d = tl.program_id(0), tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     mask = (offs_h < H)[:, None] & d_mask[None, :]
@@ -115,9 +106,7 @@ SILU_BLOCK = 1024  # elements of a row per program
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    _follow_early(PDL)
     row, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     dtype = out_ptr.dtype.element_ty
@@ -151,9 +140,7 @@ def merge_linears(*linears: torch.nn.Linear) -> torch.Tensor:
 # %% ../chapters/09b_fused_ops.ipynb #b2e6f8a1
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    _follow_early(PDL)
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
     mask = offs < E
     dtype = out_ptr.dtype.element_ty

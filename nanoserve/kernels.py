@@ -34,6 +34,18 @@ def interpreting() -> bool:
     "True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, set before triton is imported)."
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+@lru_cache
+def _pdl(device: torch.device) -> bool:
+    "Programmatic dependent launch on `device` (see below): a Hopper or newer GPU, not the interpreter."
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+@triton.jit
+def _follow_early(PDL: tl.constexpr):
+    "Launched early (PDL): let the next kernel start now, then wait until the previous one has finished and its writes show."
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
 def _dot_precision(dtype: torch.dtype) -> str:
     "float32 dots in full precision (tf32 would round the inputs); bf16/fp16 dots ignore the option."
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -104,7 +116,8 @@ STORE_BLOCK_T = 16  # tokens per store_kv program
 @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count (see below)
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    _follow_early(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)  # BLOCK_T tokens, one KV head
     t, offs_d = tile * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)  # (BLOCK_T,)
@@ -133,7 +146,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
         k, v, k_cache, v_cache, slot_mapping, len(k), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=D, BLOCK_T=STORE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size)
+        D=D, BLOCK_T=STORE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
+        PDL=_pdl(k.device), launch_pdl=_pdl(k.device))
 
 # %% ../chapters/09_paged_attention.ipynb #08b9b184
 @triton.jit
@@ -170,7 +184,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
                    num_splits,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _follow_early(PDL)
     b, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     S = tl.load(lens_ptr + b)
     split_len = ((S + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(S / splits), in whole tiles
@@ -205,7 +220,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
 # %% ../chapters/09_paged_attention.ipynb #a692cba0
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, stride_ob, stride_oh, num_splits,
-                          H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    _follow_early(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     s_mask, d_mask = offs_s < num_splits, offs_d < D
@@ -254,7 +270,7 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
     if B == 0: return out
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D, pdl = triton.next_power_of_2(D), _pdl(q.device)
     if num_splits > 1:
         part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
@@ -267,10 +283,11 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
         H=H, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_SIZE=block_size,
         BLOCK_N=max(DECODE_BLOCK_N, block_size), SPLIT=num_splits > 1, UPCAST=interpreting(),
-        PRECISION=_dot_precision(q.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
+        PRECISION=_dot_precision(q.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=pdl, launch_pdl=pdl)
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
-                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D)
+                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+                                      PDL=pdl, launch_pdl=pdl)
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #ebccc42a

@@ -347,3 +347,33 @@ def test_gpu_decode_in_a_cuda_graph():
     ctx.copy_(torch.tensor([99, 1999, 517, 9], dtype=torch.int32))
     graph.replay()
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, bt, ctx, cu), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
+def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkeypatch):
+    "store_kv, decode and its split reduction launched early (PDL), each step's keys made from the last step's output: bit-equal."
+    H, K, D = SHAPES["llama-3.2-1b"]
+    lens = [100, 2000, 517, 16]
+    q0, k_cache, v_cache, bt, ctx, _ = paged_batch(lens, [1] * 4, H, K, D, 16, torch.bfloat16, seed=15)
+    last = torch.tensor(lens) - 1  # each sequence's new token is its last position
+    slots = (bt.cpu()[torch.arange(4), last // 16] * 16 + last % 16).cuda()
+
+    def chain():  # with PDL each kernel lets the next one start early, and reads only after the one before has finished
+        kc, vc, q, outs = k_cache.clone(), v_cache.clone(), q0, []
+        for _ in range(16):
+            store_kv(q[:, :K], q[:, K:2 * K], kc, vc, slots)  # the new token's key and value come from the last output
+            q = paged_decode_attention(q, kc, vc, bt, ctx, D ** -0.5, num_splits=8)
+            outs.append(q)
+        return torch.cat(outs)
+
+    early = chain()
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_pdl", lambda device: False)  # every launch plain
+        plain = chain()
+    assert torch.equal(early, plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): captured = chain()
+    for _ in range(5):
+        captured.zero_(); graph.replay(); torch.cuda.synchronize()
+        assert torch.equal(captured, plain)
