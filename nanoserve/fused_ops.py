@@ -195,6 +195,7 @@ def gemv(x: torch.Tensor,  # (K,)
          weight: torch.Tensor,  # (N, K) -> (N,)
          pdl: bool | None = None) -> torch.Tensor:  # start loading the weight before the previous kernel ends; None: where supported
     "weight @ x in one Triton kernel that streams the weight once, accumulating in float32."
+    # With PDL the first weight tile is read before the kernels queued just before have finished: no kernel may be writing it.
     if x.dim() != 1 or weight.dim() != 2 or weight.shape[1] != len(x) or weight.stride(-1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"gemv needs x (K,) and weight (N, K) of one dtype with a contiguous last dim; "
                          f"got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}")

@@ -36,8 +36,9 @@ def interpreting() -> bool:
 
 @lru_cache
 def _pdl(device: torch.device) -> bool:
-    "Programmatic dependent launch on `device` (see below): a Hopper or newer GPU, not the interpreter."
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    "Programmatic dependent launch on `device` (see below): an NVIDIA Hopper or newer GPU, a Triton that has it, no interpreter."
+    return (device.type == "cuda" and torch.version.hip is None and not interpreting() and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 @triton.jit
 def _follow_early(PDL: tl.constexpr):

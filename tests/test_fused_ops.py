@@ -167,23 +167,27 @@ def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkey
     x0 = torch.randn(1, E, device="cuda", generator=g).to(dt)
     cos, sin = (a[1:] for a in angles(2, 64))  # position 1: a real rotation
 
-    def blocks():  # with PDL, every kernel here lets the next one start early, and waits for the one before it
+    def blocks(kept=None):  # with PDL, every kernel here lets the next one start early, and waits for the one before it
         x, h, outs = x0, None, []
         for _ in range(24):
             x, normed = add_rms_norm(x, h, gain, 1e-5)  # rms_norm when h is None
             up = gemv(normed[0], gate_up)
             rope(up.view(1, -1, 64), cos, sin, out=up.view(1, -1, 64))  # in place, as on the merged q/k/v
-            h = gemv(silu_and_mul(up), down)[None]
+            act = silu_and_mul(up)
+            h = gemv(act, down)[None]
             outs.append(h)
+            if kept is not None: kept += [t for t in (x, normed, up, act, h) if t is not x0]
         return torch.cat(outs)
 
+    assert fused_ops._pdl(torch.device("cuda"))  # launched early indeed (not the interpreter)
     early = blocks()
     with monkeypatch.context() as m:
         m.setattr(fused_ops, "_pdl", lambda device: False)  # every launch plain
         plain = blocks()
     assert torch.equal(early, plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): captured = blocks()
-    for _ in range(5):
-        captured.zero_(); graph.replay(); torch.cuda.synchronize()
+    graph, intermediates = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph): captured = blocks(intermediates)
+    for _ in range(5):  # poison every intermediate first: a read before its write would see NaN, not the last replay's values
+        for t in intermediates + [captured]: t.fill_(float("nan"))
+        graph.replay(); torch.cuda.synchronize()
         assert torch.equal(captured, plain)

@@ -359,21 +359,24 @@ def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monk
     last = torch.tensor(lens) - 1  # each sequence's new token is its last position
     slots = (bt.cpu()[torch.arange(4), last // 16] * 16 + last % 16).cuda()
 
-    def chain():  # with PDL each kernel lets the next one start early, and reads only after the one before has finished
+    def chain(kept=None):  # with PDL each kernel lets the next one start early, and reads only after the one before has finished
         kc, vc, q, outs = k_cache.clone(), v_cache.clone(), q0, []
         for _ in range(16):
             store_kv(q[:, :K], q[:, K:2 * K], kc, vc, slots)  # the new token's key and value come from the last output
             q = paged_decode_attention(q, kc, vc, bt, ctx, D ** -0.5, num_splits=8)
             outs.append(q)
+        if kept is not None: kept += outs + [kc, vc]
         return torch.cat(outs)
 
+    assert kernels._pdl(torch.device("cuda"))  # launched early indeed (not the interpreter)
     early = chain()
     with monkeypatch.context() as m:
         m.setattr(kernels, "_pdl", lambda device: False)  # every launch plain
         plain = chain()
     assert torch.equal(early, plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): captured = chain()
-    for _ in range(5):
-        captured.zero_(); graph.replay(); torch.cuda.synchronize()
+    graph, intermediates = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph): captured = chain(intermediates)
+    for _ in range(5):  # poison every intermediate first: a read before its write would see NaN, not the last replay's values
+        for t in intermediates + [captured]: t.fill_(float("nan"))
+        graph.replay(); torch.cuda.synchronize()
         assert torch.equal(captured, plain)

@@ -201,7 +201,7 @@ def test_counts_and_latencies_against_known_server(fake):
     # and typically on time. A loaded 2-core CI machine can stall the event loop now and then, so lateness is judged
     # by the median, not by every request.
     late = sorted(s - a for s, a in zip(starts, arrivals))
-    assert late[0] >= 0 and late[len(late) // 2] < 0.05, list(zip(starts, arrivals))
+    assert late[0] >= -1e-6 and late[len(late) // 2] < 0.05, list(zip(starts, arrivals))  # -1e-6: rounding of t0 + at
     assert res["duration"] >= arrivals[-1] + TTFT
     json.dumps(res, allow_nan=False)  # a valid JSON record
 
