@@ -95,9 +95,10 @@ def rope(x: torch.Tensor,  # (T, H, D)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} with a contiguous last dim; got {tuple(out.shape)} {out.dtype}")
     if T:
+        pdl = _pdl(x.device)
         _rope_kernel[(T,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
                            HALF=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2),
-                           PDL=_pdl(x.device), launch_pdl=_pdl(x.device),
+                           PDL=pdl, launch_pdl=pdl,
                            enable_fp_fusion=False)  # keep each product's rounding: no fused multiply-add
     return out
 
@@ -163,9 +164,9 @@ def add_rms_norm(x: torch.Tensor,  # (T, E): the residual stream
     x, h = x.contiguous(), h.contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)
     if T:
-        BLOCK_E = triton.next_power_of_2(E)
+        BLOCK_E, pdl = triton.next_power_of_2(E), _pdl(x.device)
         _add_rms_norm_kernel[(T,)](x, h, weight, total, out, E, eps, BLOCK_E=BLOCK_E, num_warps=min(16, max(1, BLOCK_E // 256)),
-                                   PDL=_pdl(x.device), launch_pdl=_pdl(x.device))
+                                   PDL=pdl, launch_pdl=pdl)
     return total, out
 
 # %% ../chapters/09b_fused_ops.ipynb #a7d1e3f6
@@ -178,9 +179,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)  # the first tile, peeled off the loop so that it can load before the wait
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
-    if PDL:  # launched early: the weight is loading; let the next kernel start, and wait until x, the previous kernel's output, is ready
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    _follow_early(PDL)  # launched early: the weight is loading; from here on x, the previous kernel's output, is ready
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K) partial products, summed over K at the end
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -202,8 +201,9 @@ def gemv(x: torch.Tensor,  # (K,)
     _check_device(x, weight)
     N, K = weight.shape
     x, out = x.contiguous(), torch.empty(N, dtype=x.dtype, device=x.device)
-    pdl = _pdl(x.device) if pdl is None else pdl
-    if pdl and not _pdl(x.device): raise ValueError(f"programmatic dependent launch needs a Hopper or newer GPU, not {x.device}")
+    supported = _pdl(x.device)
+    if pdl and not supported: raise ValueError(f"programmatic dependent launch needs a Hopper or newer GPU, not {x.device}")
+    pdl = supported if pdl is None else pdl
     if N:
         _gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](x, weight, out, N, K, weight.stride(0), BLOCK_N=GEMV_BLOCK_N,
                                                       BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(K)),

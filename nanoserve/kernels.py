@@ -144,11 +144,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
         raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {len(k)} tokens")
     _check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if len(k) == 0: return
+    pdl = _pdl(k.device)
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
         k, v, k_cache, v_cache, slot_mapping, len(k), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D=D, BLOCK_T=STORE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-        PDL=_pdl(k.device), launch_pdl=_pdl(k.device))
+        PDL=pdl, launch_pdl=pdl)
 
 # %% ../chapters/09_paged_attention.ipynb #08b9b184
 @triton.jit

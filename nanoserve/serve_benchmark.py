@@ -212,7 +212,7 @@ async def run_requests(base_url: str, requests: list, arrivals: list, model: str
         t0 = time.perf_counter()
 
         async def one(i, prompt, max_tokens, at):
-            while (wait := t0 + at - time.perf_counter()) > 0:  # uvloop's timers run on a cached clock and can fire early
+            while (wait := t0 + at - time.perf_counter()) > 0:  # a timer may fire a little early (uvloop counts whole ms)
                 await asyncio.sleep(wait)
             async with gate: return await stream_completion(clients[i % len(clients)], model, prompt, max_tokens, timeout, t0)
 

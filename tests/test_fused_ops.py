@@ -157,7 +157,7 @@ def test_gpu_one_token_step_fused_equals_unfused_in_bf16(arch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
-def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkeypatch):
+def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph(check_early_launches):
     "Kernels launched early (PDL) read their inputs only after the kernel before has finished: a long chain of them, bit for bit."
     E, F, dt = 2048, 8192, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -179,15 +179,4 @@ def test_gpu_gemvs_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkey
             if kept is not None: kept += [t for t in (x, normed, up, act, h) if t is not x0]
         return torch.cat(outs)
 
-    assert fused_ops._pdl(torch.device("cuda"))  # launched early indeed (not the interpreter)
-    early = blocks()
-    with monkeypatch.context() as m:
-        m.setattr(fused_ops, "_pdl", lambda device: False)  # every launch plain
-        plain = blocks()
-    assert torch.equal(early, plain)
-    graph, intermediates = torch.cuda.CUDAGraph(), []
-    with torch.cuda.graph(graph): captured = blocks(intermediates)
-    for _ in range(5):  # poison every intermediate first: a read before its write would see NaN, not the last replay's values
-        for t in intermediates + [captured]: t.fill_(float("nan"))
-        graph.replay(); torch.cuda.synchronize()
-        assert torch.equal(captured, plain)
+    check_early_launches(blocks, fused_ops)

@@ -351,7 +351,7 @@ def test_gpu_decode_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
-def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monkeypatch):
+def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(check_early_launches):
     "store_kv, decode and its split reduction launched early (PDL), each step's keys made from the last step's output: bit-equal."
     H, K, D = SHAPES["llama-3.2-1b"]
     lens = [100, 2000, 517, 16]
@@ -368,15 +368,4 @@ def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(monk
         if kept is not None: kept += outs + [kc, vc]
         return torch.cat(outs)
 
-    assert kernels._pdl(torch.device("cuda"))  # launched early indeed (not the interpreter)
-    early = chain()
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "_pdl", lambda device: False)  # every launch plain
-        plain = chain()
-    assert torch.equal(early, plain)
-    graph, intermediates = torch.cuda.CUDAGraph(), []
-    with torch.cuda.graph(graph): captured = chain(intermediates)
-    for _ in range(5):  # poison every intermediate first: a read before its write would see NaN, not the last replay's values
-        for t in intermediates + [captured]: t.fill_(float("nan"))
-        graph.replay(); torch.cuda.synchronize()
-        assert torch.equal(captured, plain)
+    check_early_launches(chain, kernels)
