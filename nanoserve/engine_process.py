@@ -6,8 +6,9 @@
 __all__ = ['log', 'OutputDelta', 'DeltaTracker', 'OutputAssembly', 'EngineLoop', 'engine_process_main', 'EngineProcess']
 
 # %% ../chapters/12e_engine_process.ipynb #6a7fddad
-import logging, multiprocessing, os, signal, threading, time
+import logging, multiprocessing, os, queue, signal, threading, time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import AsyncLLMEngine, EngineStats, EngineStopped, RequestFailed, _settle, engine_stats, hand_over
 from .engine import LLMEngine, RequestMetrics, RequestOutput, _tokenizer_or_none
@@ -72,6 +73,9 @@ class EngineLoop:
         self.outbox: list = []                  # what this pass will send, in order
         self.drain_until: float | None = None   # set by the shutdown command
         self.taken: set = set()                 # ids of the requests taken and not yet finished
+        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()  # pickled messages for the sender thread; None ends it
+        self.sender = threading.Thread(target=self.send_queued, name="nanoserve-engine-sender", daemon=True)
+        self.sender.start()
 
     def run(self):
         "Take commands, step while there is work, wait on the pipe while there is none; until drained."
@@ -82,6 +86,15 @@ class EngineLoop:
                 self.flush()
             self.close()
         except (EOFError, BrokenPipeError, ConnectionResetError): pass  # the client has gone: nobody to tell
+        finally:
+            self.outgoing.put(None)
+            self.sender.join()  # everything queued is written (or the pipe is gone) before the process ends
+
+    def send_queued(self):
+        "The sender thread: write the queued messages to the pipe in order. A full pipe stops this thread, not the steps."
+        try:
+            while (message := self.outgoing.get()) is not None: self.conn.send_bytes(message)
+        except OSError: pass  # the client has gone; the loop finds out at its next read
 
     def drained(self) -> bool:
         return self.drain_until is not None and (not self.engine.has_unfinished() or time.monotonic() > self.drain_until)
@@ -130,8 +143,8 @@ class EngineLoop:
         self.outbox.append(("output", self.tracker.delta(out), error))
 
     def flush(self):
-        "Send this pass's messages, the engine's state first."
-        self.conn.send([("stats", engine_stats(self.engine))] + self.outbox)
+        "Hand this pass's messages, the engine's state first, to the sender thread (pickled here, as Connection.send would)."
+        self.outgoing.put(ForkingPickler.dumps([("stats", engine_stats(self.engine))] + self.outbox))
         self.outbox = []
 
     def close(self):

@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['SLO_METRICS', 'REQUESTS_PER_CLIENT', 'percentile', 'length_range', 'random_workload', 'arrival_times',
-           'parse_goodput', 'RequestResult', 'stream_completion', 'latency_stats', 'meets_slos', 'summarize',
-           'fetch_model', 'run_requests', 'raise_open_file_limit', 'run_sync', 'serve_benchmark', 'format_summary']
+           'parse_goodput', 'RequestResult', 'completion_body', 'stream_completion', 'latency_stats', 'meets_slos',
+           'summarize', 'fetch_model', 'run_requests', 'raise_open_file_limit', 'run_sync', 'serve_benchmark',
+           'format_summary']
 
 # %% ../chapters/12d_serve_benchmark.ipynb #c5ed68ca
 import asyncio, json, math, random, time
@@ -102,9 +103,11 @@ def _plain_token_chunk(data: bytes) -> bool:
     "Whether an event's JSON is a chunk with choices, no error and no usage, judged from its bytes (compact JSON only)."
     return b'"choices":[{' in data and b'"error":' not in data and (b'"usage":' not in data or b'"usage":null' in data)
 
-async def _read_stream(client: httpx.AsyncClient, payload: dict, res: RequestResult, sent: float):
-    "POST `payload` to /v1/completions and fill `res` from its event stream."
-    async with client.stream("POST", "/v1/completions", json=payload) as response:
+_JSON_HEADERS = {"content-type": "application/json"}
+
+async def _read_stream(client: httpx.AsyncClient, body: bytes, res: RequestResult, sent: float):
+    "POST `body` (JSON) to /v1/completions and fill `res` from its event stream."
+    async with client.stream("POST", "/v1/completions", content=body, headers=_JSON_HEADERS) as response:
         if response.status_code != 200:
             res.error = f"HTTP {response.status_code}: {_error_message(await response.aread())}"
             return
@@ -135,14 +138,17 @@ async def _read_stream(client: httpx.AsyncClient, payload: dict, res: RequestRes
     elif not res.output_tokens: res.error = "no usage chunk with completion_tokens"
 
 # %% ../chapters/12d_serve_benchmark.ipynb #f0d73d4c
-async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list, max_tokens: int,
-                            timeout: float = 3600.0, t0: float = 0.0) -> RequestResult:
-    "Send one streamed completion of `max_tokens` tokens and time its chunks; a failure is recorded, never raised."
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True}}
+def completion_body(model: str, prompt: list, max_tokens: int) -> bytes:
+    "The JSON body of a streamed, greedy completion of exactly `max_tokens` tokens (ignore_eos) that ends with a usage chunk."
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}, separators=(",", ":")).encode()
+
+async def stream_completion(client: httpx.AsyncClient, body: bytes, prompt_tokens: int, timeout: float = 3600.0,
+                            t0: float = 0.0) -> RequestResult:
+    "Send one completion request (`body` from completion_body) and time its chunks; a failure is recorded, never raised."
     sent = time.perf_counter()
-    res = RequestResult(prompt_tokens=len(prompt), start=sent - t0)
-    try: await asyncio.wait_for(_read_stream(client, payload, res, sent), timeout)
+    res = RequestResult(prompt_tokens=prompt_tokens, start=sent - t0)
+    try: await asyncio.wait_for(_read_stream(client, body, res, sent), timeout)
     except asyncio.TimeoutError: res.error = f"timed out after {timeout:g} s"
     except Exception as e: res.error = f"{type(e).__name__}: {e}"  # connection refused or dropped, malformed JSON, ...
     res.success = not res.error
@@ -209,14 +215,15 @@ async def run_requests(base_url: str, requests: list, arrivals: list, model: str
         if max_model_len and longest > max_model_len:
             raise ValueError(f"input_len + output_len reach {longest} tokens, over the server's max_model_len={max_model_len}")
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
+        bodies = [completion_body(model, p, n) for p, n in requests]  # encoded before the clock starts: the client's work, not the server's
         t0 = time.perf_counter()
 
-        async def one(i, prompt, max_tokens, at):
+        async def one(i, body, prompt_tokens, at):
             while (wait := t0 + at - time.perf_counter()) > 0:  # a timer may fire a little early (uvloop counts whole ms)
                 await asyncio.sleep(wait)
-            async with gate: return await stream_completion(clients[i % len(clients)], model, prompt, max_tokens, timeout, t0)
+            async with gate: return await stream_completion(clients[i % len(clients)], body, prompt_tokens, timeout, t0)
 
-        results = await asyncio.gather(*(one(i, p, n, at) for i, ((p, n), at) in enumerate(zip(requests, arrivals))))
+        results = await asyncio.gather(*(one(i, body, len(p), at) for i, (body, (p, _), at) in enumerate(zip(bodies, requests, arrivals))))
         return model, list(results), time.perf_counter() - t0
 
 # %% ../chapters/12d_serve_benchmark.ipynb #84d883cd

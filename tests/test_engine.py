@@ -8,7 +8,8 @@ import torch
 from nanoserve import LLM, LLMEngine, SamplingParams
 from nanoserve.block_manager import BlockManager
 from nanoserve.loader import load_model
-from nanoserve.model_runner import EngineConfig, ModelRunner, graph_batch_sizes, prepare_inputs
+from nanoserve.model_runner import (PREFILL_GRAPH_TOKENS, EngineConfig, ModelRunner, graph_batch_sizes, prefill_graph_length,
+                                    prepare_inputs)
 from nanoserve.scheduler import Scheduler, SchedulerOutput, Sequence
 from nanoserve.testing import hf_default_model, hf_model, tiny_model_dir
 
@@ -286,6 +287,13 @@ def test_graph_batch_sizes():
     assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 256 and sizes == sorted(set(sizes))
 
 
+def test_prefill_graph_length_pads_a_lone_prompt_up_and_leaves_batches_eager():
+    assert [prefill_graph_length(1, T, PREFILL_GRAPH_TOKENS) for T in (2, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+    assert prefill_graph_length(1, 513, PREFILL_GRAPH_TOKENS) is None  # longer than any graph
+    assert prefill_graph_length(2, 40, PREFILL_GRAPH_TOKENS) is None  # several prompts in one step
+    assert prefill_graph_length(1, 40, {}) is None  # none captured (CPU, enforce_eager)
+
+
 # --- GPU -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -299,6 +307,8 @@ def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
     assert graphs.llm_engine.runner.graphs and not eager.llm_engine.runner.graphs
     a = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     assert a == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert graphs.llm_engine.runner.prefill_graphs  # one prompt at a time: the prefill graphs
+    assert [graphs.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts] == a
     hf = hf_model(d).cuda()
     assert a == [hf_greedy(hf, p, 24, device="cuda", eos_token_id=None) for p in prompts]
 
@@ -319,6 +329,28 @@ def test_gpu_graph_logits_equal_eager_logits():
     runner.graphs = graphs
     torch.testing.assert_close(replayed.float(), eager.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("T", [5, 100, 128, 256])
+def test_gpu_prefill_graph_logits_equal_eager_logits(T):
+    "A lone prompt replays the prefill graph of the next captured length: the logits of the eager pass."
+    llm = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_num_seqs=8, num_kv_blocks=256, async_scheduling=False)
+    runner, engine = llm.llm_engine.runner, llm.llm_engine
+    assert sorted(runner.prefill_graphs) == list(PREFILL_GRAPH_TOKENS)
+    engine.add_request(0, random_prompts((T,), seed=T)[0], SamplingParams(temperature=0, max_tokens=4))
+    out = engine.scheduler.schedule()
+    inputs = prepare_inputs(out, engine.scheduler.blocks, runner.device)
+    replayed = runner.forward(inputs).clone()
+    graphs, runner.prefill_graphs = runner.prefill_graphs, {}
+    eager = runner.forward(inputs)
+    runner.prefill_graphs = graphs
+    assert replayed.shape == eager.shape == (1, runner.model.config.vocab_size)
+    if T in PREFILL_GRAPH_TOKENS:
+        assert torch.equal(replayed, eager)  # the same kernels on the same shapes
+    else:
+        torch.testing.assert_close(replayed.float(), eager.float(), atol=2e-2, rtol=2e-2)  # padded: the matmuls see more rows
 
 
 @pytest.mark.gpu
