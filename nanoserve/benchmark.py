@@ -117,16 +117,18 @@ def time_transformers(model_dir, requests: list, dtype: torch.dtype, device="cud
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
+    finished = False
     try:
         start, done, out_tokens = time.perf_counter(), 0, 0
         for ids, n in requests: manager.add_request(ids, max_new_tokens=n)
-        while done < len(requests):
-            result = manager.get_result(timeout=60)
-            if result is None: raise RuntimeError("transformers' continuous batching stopped before finishing")
-            if result.is_finished(): done, out_tokens = done + 1, out_tokens + len(result.generated_tokens)
-        wall = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
+        while done < len(requests):  # a big model may take minutes to finish its first request: wait while it runs
+            result = manager.get_result(timeout=1.0)
+            if result is None and not manager.is_running(): raise RuntimeError("transformers' continuous batching stopped before finishing")
+            if result is not None and result.is_finished(): done, out_tokens = done + 1, out_tokens + len(result.generated_tokens)
+        wall, finished = time.perf_counter() - start, True
+    finally:  # a plain stop lets every queued request finish first; after a failure, stop at once where transformers can
+        try: manager.stop(block=True, hard_stop=not finished)
+        except TypeError: manager.stop(block=True)  # a transformers without hard_stop
     in_tokens = sum(len(ids) for ids, _ in requests)
     return {"seconds": wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
             "total_tokens_per_s": (out_tokens + in_tokens) / wall, "transformers": __import__("transformers").__version__}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoserve.__main__ import main
-from nanoserve.benchmark import matmul_params, random_requests, weight_bytes_per_step, workload_floor
+from nanoserve.benchmark import matmul_params, random_requests, time_transformers, weight_bytes_per_step, workload_floor
 from nanoserve.model import ModelConfig
 from nanoserve.testing import tiny_model_dir
 
@@ -60,3 +60,11 @@ def test_bench_bad_engine_option_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "latency", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--block-size", "12"])
     assert e.value.code == 2 and "block_size=12" in capsys.readouterr().err
+
+
+def test_transformers_continuous_batching_is_timed_to_the_last_token():
+    "transformers' continuous batching on the CPU, tiny model: every request finishes and each output token is counted."
+    requests = [([1, 2, 3], 4), ([5, 6], 3), ([7], 5)]
+    res = time_transformers(tiny_model_dir("llama"), requests, torch.float32, "cpu")
+    assert res["output_tokens"] == 12 and res["seconds"] > 0 and res["output_tokens_per_s"] == pytest.approx(12 / res["seconds"])
+
