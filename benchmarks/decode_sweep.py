@@ -9,6 +9,8 @@ heads of 128), bf16, cache blocks of 16, contexts 512/4096/16384, batch 8/64/256
   std/...   this script's own kernel on the same layout, sweeping BLOCK_N x num_warps x num_stages at the default
             split heuristic, then num_splits in (1, 2, 4) at the best tiles;
   hm/...    the same kernel on a head-major cache (blocks, K, 16, D): each (block, KV head) tile one contiguous run;
+  hf/...    the std cache with the grid in the order (KV head, sequence, split): the programs of one sequence's KV
+            heads start side by side and read each cache block at about the same time (hmhf: the same, head-major);
   .../F     the split reduction fused into the decode kernel: the last program of a (sequence, KV head) to finish,
             found with an atomic counter, combines the partial results (no second launch);
   SDPA      torch.nn.functional.scaled_dot_product_attention (enable_gqa=True) on the same data laid out
@@ -62,7 +64,9 @@ BATCHES, CONTEXTS = (8, 64, 256), (512, 4096, 16384)
 BLOCK_SIZE = 16
 TILES = list(itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))  # (BLOCK_N, num_warps, num_stages)
 SPLITS = (1, 2, 4)  # swept at the best tiles, besides the default heuristic
-LAYOUTS = ("std", "hm")  # (blocks, block_size, K, D) and head-major (blocks, K, block_size, D)
+# (blocks, block_size, K, D) and head-major (blocks, K, block_size, D); "hf"/"hmhf": the same caches, the KV heads of one
+# sequence launched side by side (grid (K, B, splits) instead of (B, K, splits)), so they read each block together
+LAYOUTS = ("std", "hm", "hf", "hmhf")
 TOL = 2e-2
 CHECK_LENS = [1, 15, 16, 17, 100, 1000, 2047, 4097]  # the ragged batch every kernel configuration is checked on
 CHECK_SPLITS = 7  # splits of the split checks: some splits of the short contexts are empty
@@ -122,8 +126,13 @@ def _sweep_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ou
                          stride_ch, stride_bt, num_splits,
                          H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, GR: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    b, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                         BLOCK_N: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                         HEADS_FAST: tl.constexpr):
+    if HEADS_FAST:  # grid (K, B, splits): a sequence's KV heads are neighbours in launch order
+        kh, b = tl.program_id(0), tl.program_id(1)
+    else:
+        b, kh = tl.program_id(0), tl.program_id(1)
+    split = tl.program_id(2)
     S = tl.load(lens_ptr + b)
     split_len = ((S + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles
     start = split * split_len
@@ -170,7 +179,7 @@ def _sweep_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ou
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
         if FUSED:  # the last program of (b, kh) to finish combines the splits; it resets the counter for the next call
             tl.debug_barrier()  # all of this program's partial stores before its release
-            counter = count_ptr + b * tl.num_programs(1) + kh
+            counter = count_ptr + b * (H // G) + kh
             done = tl.atomic_add(counter, 1, sem="acq_rel")
             if done == num_splits - 1:
                 _combine_store(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, kh, stride_ob, stride_oh, num_splits,
@@ -204,7 +213,8 @@ def _max_splits_constexpr(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def decode_launch(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, stages, splits, fused):
+def decode_launch(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, stages, splits, fused,
+                  heads_fast=False):
     "(kernel, grid, args, constexprs) of the decode kernel; k_cache/v_cache are (blocks, bs, K, D) views of any strides."
     B, H, D = q.shape
     _, bs, K, _ = k_cache.shape
@@ -217,8 +227,9 @@ def decode_launch(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps,
     const = dict(H=H, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=triton.next_power_of_2(D),
                  GR=max(2, triton.next_power_of_2(G)), MAX_SPLITS=_max_splits_constexpr(ws.max_splits),
                  BLOCK_SIZE=bs, BLOCK_N=block_n, FUSED=bool(fused), UPCAST=interpreting(),
-                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
-    return (B, K, splits), args, const
+                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FAST=bool(heads_fast),
+                 num_warps=warps, num_stages=stages)
+    return ((K, B, splits) if heads_fast else (B, K, splits)), args, const
 
 
 def reduce_launch(out, K, ws, splits):
@@ -231,10 +242,11 @@ def reduce_launch(out, K, ws, splits):
     return (B, K), args, const
 
 
-def sweep_decode(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, stages, splits, fused=False):
+def sweep_decode(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, stages, splits, fused=False,
+                 heads_fast=False):
     "Run this script's decode kernel (and its reduction unless fused or unsplit); returns out (B, H, D)."
     grid, args, const = decode_launch(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, stages, splits,
-                                      fused)
+                                      fused, heads_fast)
     _sweep_decode_kernel[grid](*args, **const)
     if splits > 1 and not fused:
         grid, args, const = reduce_launch(out, k_cache.shape[2], ws, splits)
@@ -243,7 +255,7 @@ def sweep_decode(q, k_cache, v_cache, bt, lens, scale, out, ws, block_n, warps, 
 
 
 def _precompile_worker(jobs, device=None):
-    "In a spawned process: compile [(model, (BLOCK_N, warps, stages, fused) or 'reduce')] into Triton's disk cache."
+    "In a spawned process: compile [(model, (BLOCK_N, warps, stages, fused, heads_fast) or 'reduce')] into Triton's disk cache."
     data, done, device = {}, [], device or DEVICE
     for model, job in jobs:
         t = time.monotonic()
@@ -255,10 +267,10 @@ def _precompile_worker(jobs, device=None):
                 kernel = _sweep_reduce_kernel
                 grid, args, const = reduce_launch(d["out"], MODELS[model][1], d["ws"], CHECK_SPLITS)
             else:
-                n, w, s, fused = job
+                n, w, s, fused, heads_fast = job
                 kernel, (kc, vc) = _sweep_decode_kernel, d["caches"]["std"]
                 grid, args, const = decode_launch(d["q"], kc, vc, d["bt"], d["lens"], d["scale"], d["out"], d["ws"],
-                                                  n, w, s, CHECK_SPLITS, fused)
+                                                  n, w, s, CHECK_SPLITS, fused, heads_fast)
             try:
                 kernel.warmup(*args, grid=grid, **const)  # compile only
             except (TypeError, AttributeError):  # a Triton without this warmup API: compile by launching one program
@@ -267,6 +279,11 @@ def _precompile_worker(jobs, device=None):
         except Exception as e:
             done.append((model, job, short(e), time.monotonic() - t))
     return done
+
+
+def cache_of(layout: str) -> str:
+    "Which cache a layout name reads: 'hm' (head-major) or 'std'."
+    return "hm" if layout.startswith("hm") else "std"
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -295,10 +312,10 @@ class Variant:
         if self.layout == "baseline":
             kc, vc = data["caches"]["std"]
             return lambda: paged_decode_attention(q, kc, vc, bt, lens, scale, num_splits=self.splits, out=out)
-        kc, vc = data["caches"][self.layout]
+        kc, vc = data["caches"][cache_of(self.layout)]
         n, w, s = self.tile
-        ws, splits, fused = data["ws"], self.splits, self.fused
-        return lambda: sweep_decode(q, kc, vc, bt, lens, scale, out, ws, n, w, s, splits, fused)
+        ws, splits, fused, heads_fast = data["ws"], self.splits, self.fused, self.layout.endswith("hf")
+        return lambda: sweep_decode(q, kc, vc, bt, lens, scale, out, ws, n, w, s, splits, fused, heads_fast)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -411,7 +428,8 @@ def cpu_check(args) -> int:
             f"{worst:.2e}, {time.monotonic() - t:.1f}s")
     # empty contexts and a fused counter left clean for the next call: run the fused variant twice on one batch
     data = ragged_inputs(8, 2, 16, [0, 1, 37], torch.float32, "cpu", seed=3)
-    for v in (Variant("std", 16, 4, 2, 3, fused=True), Variant("hm", 32, 4, 2, 3, fused=True)):
+    for v in (Variant("std", 16, 4, 2, 3, fused=True), Variant("hm", 32, 4, 2, 3, fused=True),
+              Variant("hf", 16, 4, 2, 3, fused=True), Variant("hmhf", 32, 4, 2, 3, fused=True)):
         errs = [check_variant(v, data) for _ in range(2)]
         clean = int(data["ws"].count.abs().sum()) == 0
         key = f"zero-length contexts, twice: {v.name}"
@@ -499,6 +517,7 @@ class Sweep:
         self.check_data = {}
         self.n_timings = {"screen": 0, "full": 0}
         self.tiles = [t for t in TILES if (args.block_n is None or t[0] in args.block_n)]
+        self.layouts = tuple(args.layouts)
         self.rows = []
 
     def over_budget(self) -> bool:
@@ -508,7 +527,8 @@ class Sweep:
     def precompile(self, models):
         "Compile every kernel of the sweep in parallel worker processes into Triton's disk cache (first use loads it)."
         fused = (False,) if self.args.no_fused else (False, True)
-        jobs = [(m, (n, w, s, f)) for f in fused for m in models for n, w, s in self.tiles]
+        orders = sorted({layout.endswith("hf") for layout in self.layouts})
+        jobs = [(m, (n, w, s, f, hf)) for f in fused for hf in orders for m in models for n, w, s in self.tiles]
         jobs += [(m, "reduce") for m in models]
         workers = min(self.args.compile_workers, len(jobs))
         if workers < 1:
@@ -548,7 +568,7 @@ class Sweep:
         check_variants([Variant("baseline", 0, 0, 0, s) for s in (None, 1, CHECK_SPLITS)], data, res)
         ok_tiles = []
         for tile in self.tiles:
-            vs = tile_check_variants(tile, fused=False)
+            vs = tile_check_variants(tile, self.layouts, fused=False)
             passed = check_variants(vs, data, res)
             if len(passed) == len(vs):
                 ok_tiles.append(tile)
@@ -564,7 +584,7 @@ class Sweep:
         key = (model, tile)
         if key not in self.fused_ok:
             res = {}
-            vs = [Variant(layout, *tile, CHECK_SPLITS, fused=True) for layout in LAYOUTS]
+            vs = [Variant(layout, *tile, CHECK_SPLITS, fused=True) for layout in self.layouts]
             passed = check_variants(vs, self.check_data[model], res)
             self.checks.update({f"{model} {k}": v for k, v in res.items()})
             self.fused_ok[key] = len(passed) == len(vs)
@@ -657,8 +677,8 @@ class Sweep:
             if ms is not None:
                 screened[v.name] = (v, ms)
 
-        for layout in LAYOUTS:
-            if layout == "hm":
+        for layout in self.layouts:
+            if cache_of(layout) == "hm" and "hm" not in data["caches"]:
                 data["caches"]["hm"] = (head_major(k_cache), head_major(v_cache))
             if self.over_budget():
                 log(f"    over budget: screening {layout} with the top tiles of earlier configurations only")
@@ -684,7 +704,7 @@ class Sweep:
         # final: the best screened variants (and the best of each family) with the full do_bench
         ranked = sorted(screened.values(), key=lambda x: x[1])
         finalists = [v for v, _ in ranked[:FINAL_TOP]]
-        for fam in ("std", "hm", "hm+fused", "std+fused"):
+        for fam in [layout + f for layout in self.layouts for f in ("", "+fused")]:
             fam_best = [v for v, _ in ranked if v.family == fam][:1]
             finalists += [v for v in fam_best if v not in finalists]
         for v in {v.name: v for v in finalists}.values():
@@ -756,6 +776,8 @@ def main(argv=None):
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     p.add_argument("--block-n", nargs="+", type=int, help="only these BLOCK_N (default 16 32 64 128)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="cache layouts / grid orders to sweep (default all: %(default)s)")
     p.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget: past it, later configurations "
                    "screen only the tiles that won earlier ones (default 240)")
     p.add_argument("--screen-warmup", type=float, default=2.0, help="do_bench warmup (ms) of the sweep (default 2)")
@@ -782,17 +804,19 @@ def main(argv=None):
                      "python": sys.version.split()[0]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"dtype": "bfloat16", "block_size": BLOCK_SIZE, "tiles (BLOCK_N, num_warps, num_stages)": sw.tiles,
-                     "splits": list(SPLITS) + ["heuristic"], "layouts": list(LAYOUTS), "fused": not args.no_fused,
+                     "splits": list(SPLITS) + ["heuristic"], "layouts": list(sw.layouts), "fused": not args.no_fused,
                      "screen": f"do_bench(warmup=max({args.screen_warmup}, 1.5 x SDPA ms), rep=max({args.screen_rep}, "
                                f"6 x SDPA ms)) median of CUDA-graph replays, L2 flushed",
                      "full": f"do_bench(warmup={FULL_WARMUP}, rep={FULL_REP}) median of CUDA-graph replays, L2 flushed",
                      "top_tiles_per_layout": TOP_TILES, "final_top": FINAL_TOP, "budget_s": args.budget_s,
-                     "baseline_constants": {c: getattr(kernels, c) for c in (
-                         "DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_PROGRAMS_PER_SM",
-                         "DECODE_MIN_SPLIT_TOKENS", "DECODE_MAX_SPLITS")}},
+                     "baseline_constants": {
+                         **{c: getattr(kernels, c) for c in (
+                             "DECODE_PROGRAMS_PER_SM", "DECODE_MIN_SPLIT_TOKENS", "DECODE_MAX_SPLITS")},
+                         "DECODE_TILES": [[str(b) if math.isinf(b) else b, {str(d): list(t) for d, t in tiles.items()}]
+                                          for b, tiles in kernels.DECODE_TILES]}},
     }
     configs = [(m, B, S) for m in args.models for B in args.batches for S in args.contexts]
-    log(f"{len(configs)} configurations, {len(sw.tiles)} tiles x {len(LAYOUTS)} layouts; budget {args.budget_s:.0f}s")
+    log(f"{len(configs)} configurations, {len(sw.tiles)} tiles x {len(sw.layouts)} layouts; budget {args.budget_s:.0f}s")
     sw.precompile(args.models)
     for model in args.models:
         try:

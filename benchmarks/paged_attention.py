@@ -10,8 +10,11 @@ uniform lengths, so SDPA wastes nothing on padding), best of its backends.
 
     python benchmarks/paged_attention.py --check --out benchmarks/results/paged_attention_h100.json
     python benchmarks/paged_attention.py --quick              # the goal configurations only
-    python benchmarks/paged_attention.py --sweep --quick      # try launch constants, print the best
-    python benchmarks/paged_attention.py --block-n 128 --num-warps 8 --num-stages 3 --quick   # try one setting
+    python benchmarks/paged_attention.py --sweep --quick      # try split heuristics, print the best
+    python benchmarks/paged_attention.py --decode-tile 64 4 2 --quick   # one decode tile everywhere, not DECODE_TILES
+
+The decode tile (keys per iteration, warps, pipeline stages) comes from nanoserve.kernels.DECODE_TILES by the number
+of programs per SM; benchmarks/decode_sweep.py is what measured that table.
 
 Progress goes to stderr; stdout gets only the JSON.
 """
@@ -43,7 +46,6 @@ CHECK_Q_LENS = [1, 15, 16, 17, 1000, 100, 4097, 1, 2048, 500]  # and their query
 CHECK_UNIFORM = (8, 4096)  # (B, S) of the check against SDPA
 SWEEP = ((GOAL_B, GOAL_S), (8, 4096), (8, 512), (1, 16384), (256, 4096))  # (B, S) that --sweep tunes for
 TUNABLES = {  # command-line flag: the module constant it overrides
-    "block_n": "DECODE_BLOCK_N", "num_warps": "DECODE_NUM_WARPS", "num_stages": "DECODE_NUM_STAGES",
     "programs_per_sm": "DECODE_PROGRAMS_PER_SM", "min_split_tokens": "DECODE_MIN_SPLIT_TOKENS",
     "max_splits": "DECODE_MAX_SPLITS", "prefill_block_m": "PREFILL_BLOCK_M", "prefill_block_n": "PREFILL_BLOCK_N",
     "prefill_num_warps": "PREFILL_NUM_WARPS", "prefill_num_stages": "PREFILL_NUM_STAGES",
@@ -153,10 +155,11 @@ def decode_row(model, B, S, block_size, with_sdpa=True) -> dict:
         return {**row, "skipped": f"needs {cache_bytes / 2**30:.1f} GiB of KV cache"}
     q, k_cache, v_cache, bt, lens = paged_inputs(B, S, H, K, D, block_size)
     out, scale = torch.empty_like(q), D**-0.5
-    splits = choose_num_splits(B, K, bt.shape[1] * block_size, kernels._num_sms(q.device))
+    num_sms = kernels._num_sms(q.device)
+    splits = choose_num_splits(B, K, bt.shape[1] * block_size, num_sms)
     t = bench_graphed(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, out=out))
     nbytes = decode_attention_bytes(B, S, H, K, D)
-    row.update(num_splits=splits, bytes=nbytes, **t, gbs=nbytes / (t["ms"] * 1e-3) / 1e9)
+    row.update(num_splits=splits, tile=list(kernels.decode_tile(K * B * splits / num_sms, D)), bytes=nbytes, **t, gbs=nbytes / (t["ms"] * 1e-3) / 1e9)
     if with_sdpa:
         if cache_bytes + (2 << 30) > free_bytes():  # the paged cache is allocated already
             row["sdpa_skipped"] = "no memory for the contiguous copy"
@@ -230,40 +233,26 @@ def check(block_size) -> dict:
 
 
 def sweep(block_size, configs) -> dict:
-    "Try launch constants on the goal configurations; report each setting's times and the best by geometric mean."
-    grid = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # DECODE_BLOCK_N, num_warps, num_stages
+    "Try split heuristics on the goal configurations; report each setting's times and the best by geometric mean."
     saved = {c: getattr(kernels, c) for c in TUNABLES.values()}
-    rows = []
-    for block_n, warps, stages in grid:
-        kernels.DECODE_BLOCK_N, kernels.DECODE_NUM_WARPS, kernels.DECODE_NUM_STAGES = block_n, warps, stages
-        times = {}
-        for model, B, S in configs:
-            try:
-                times[f"{model} B={B} S={S}"] = decode_row(model, B, S, block_size, with_sdpa=False)["ms"]
-            except Exception as e:  # e.g. out of shared memory for large tiles with many stages
-                log(f"  block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}: {str(e)[:120]}")
-                times = None
-                break
-        if times:
-            gm = math.exp(sum(map(math.log, times.values())) / len(times))
-            rows.append(dict(block_n=block_n, num_warps=warps, num_stages=stages, geomean_ms=gm, ms=times))
-            log(f"  block_n={block_n:3d} warps={warps} stages={stages}: geomean {1e3 * gm:8.1f} us")
-    best = min(rows, key=lambda r: r["geomean_ms"])
-    kernels.DECODE_BLOCK_N, kernels.DECODE_NUM_WARPS, kernels.DECODE_NUM_STAGES = best["block_n"], best["num_warps"], best["num_stages"]
     split_rows = []
-    for per_sm, min_tokens in itertools.product((1, 2, 4, 8, 16), (128, 256, 512)):  # then the split heuristic
+    for per_sm, min_tokens in itertools.product((1, 2, 4, 8, 16), (64, 128, 256, 512)):
         kernels.DECODE_PROGRAMS_PER_SM, kernels.DECODE_MIN_SPLIT_TOKENS = per_sm, min_tokens
         times = {f"{m} B={B} S={S}": decode_row(m, B, S, block_size, with_sdpa=False)["ms"] for m, B, S in configs}
         gm = math.exp(sum(map(math.log, times.values())) / len(times))
         split_rows.append(dict(programs_per_sm=per_sm, min_split_tokens=min_tokens, geomean_ms=gm, ms=times))
         log(f"  programs_per_sm={per_sm:2d} min_split_tokens={min_tokens:3d}: geomean {1e3 * gm:8.1f} us")
     for c, v in saved.items(): setattr(kernels, c, v)
-    best_split = min(split_rows, key=lambda r: r["geomean_ms"])
-    return {"configs": [f"{m} B={B} S={S}" for m, B, S in configs], "tiles": sorted(rows, key=lambda r: r["geomean_ms"]),
-            "splits": split_rows,
-            "best": dict(DECODE_BLOCK_N=best["block_n"], DECODE_NUM_WARPS=best["num_warps"],
-                         DECODE_NUM_STAGES=best["num_stages"], DECODE_PROGRAMS_PER_SM=best_split["programs_per_sm"],
-                         DECODE_MIN_SPLIT_TOKENS=best_split["min_split_tokens"])}
+    best = min(split_rows, key=lambda r: r["geomean_ms"])
+    return {"configs": [f"{m} B={B} S={S}" for m, B, S in configs], "splits": split_rows,
+            "best": dict(DECODE_PROGRAMS_PER_SM=best["programs_per_sm"], DECODE_MIN_SPLIT_TOKENS=best["min_split_tokens"])}
+
+
+def constants() -> dict:
+    "The launch constants in effect (DECODE_TILES with its last bound written as 'inf' for JSON)."
+    return {**{c: getattr(kernels, c) for c in TUNABLES.values()},
+            "DECODE_TILES": [[str(bound) if math.isinf(bound) else bound, {str(d): list(t) for d, t in tiles.items()}]
+                             for bound, tiles in kernels.DECODE_TILES]}
 
 
 def git_commit() -> dict:
@@ -281,7 +270,9 @@ def main(argv=None):
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--quick", action="store_true", help=f"only (B, S) in {QUICK}, no prefill")
     p.add_argument("--check", action="store_true", help="first check the kernels in bf16 against the reference; stop if they fail")
-    p.add_argument("--sweep", action="store_true", help="try decode launch constants on the goal configurations")
+    p.add_argument("--sweep", action="store_true", help="try split heuristics on the goal configurations")
+    p.add_argument("--decode-tile", nargs=3, type=int, metavar=("BLOCK_N", "WARPS", "STAGES"),
+                   help="one decode tile for every shape instead of nanoserve.kernels.DECODE_TILES")
     p.add_argument("--block-size", type=int, default=16, help="cache block size (default 16)")
     p.add_argument("--no-prefill", action="store_true")
     for flag, const in TUNABLES.items():
@@ -290,6 +281,8 @@ def main(argv=None):
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     for flag, const in TUNABLES.items():
         if getattr(args, flag) is not None: setattr(kernels, const, getattr(args, flag))
+    if args.decode_tile:
+        kernels.decode_tile = lambda programs_per_sm, head_dim: tuple(args.decode_tile)
     prop = torch.cuda.get_device_properties(0)
     res = {
         "benchmark": "paged_attention",
@@ -303,7 +296,7 @@ def main(argv=None):
         "settings": {"dtype": "bfloat16", "block_size": args.block_size, "quick": args.quick,
                      "timer": "triton.testing.do_bench median of CUDA-graph replays (ours and SDPA alike; 'ms_eager' is "
                               "ours launched from Python); the L2 cache is flushed before every call",
-                     "constants": {c: getattr(kernels, c) for c in TUNABLES.values()}},
+                     "constants": constants(), "decode_tile_override": args.decode_tile},
     }
     if args.check:
         log("checking the kernels in bf16 ...")
@@ -317,11 +310,11 @@ def main(argv=None):
     configs = [(m, B, S) for m in MODELS for B, S in (QUICK if args.quick else itertools.product(BATCHES, CONTEXTS))]
     if args.sweep:
         goal = [(m, B, S) for m in MODELS for B, S in SWEEP]
-        log("sweeping decode launch constants ...")
+        log("sweeping the split heuristic ...")
         res["sweep"] = sweep(args.block_size, goal)
         log(f"best: {res['sweep']['best']}")
         for const, value in res["sweep"]["best"].items(): setattr(kernels, const, value)  # measure with the best
-        res["settings"]["constants"] = {c: getattr(kernels, c) for c in TUNABLES.values()}
+        res["settings"]["constants"] = constants()
     res["decode"], res["skipped"] = [], []
     for model, B, S in configs:
         row = decode_row(model, B, S, args.block_size)

@@ -276,8 +276,27 @@ def test_choose_num_splits():
     assert choose_num_splits(256, 8, 16384) == 1  # 2048 programs fill an H100 without splitting
     assert choose_num_splits(64, 8, 4096) == 2
     assert choose_num_splits(1, 8, 16384) == kernels.DECODE_MAX_SPLITS
-    assert choose_num_splits(1, 8, 512) == 2  # never shorter than DECODE_MIN_SPLIT_TOKENS
+    assert choose_num_splits(1, 8, 512) == 4  # never shorter than DECODE_MIN_SPLIT_TOKENS
     assert choose_num_splits(8, 8, 100) == 1
+
+
+def test_decode_tile_follows_the_table():
+    assert kernels.decode_tile(256 * 8 / 132, 64) == (16, 2, 2)  # batch 256, 8 KV heads: many programs, small tiles
+    assert kernels.decode_tile(8 * 8 * 4 / 132, 128) == (128, 4, 1)  # batch 8, 4 splits: one big tile each
+    assert kernels.decode_tile(4.0, 80) == kernels.decode_tile(4.0, 128)  # a head dim between two columns takes the wider
+    assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
+    assert kernels.decode_tile(100, 256)[0] == 16  # never fewer keys than one cache block of 16
+
+
+def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
+    lens = [1, 15, 16, 17, 100, 129, 300]
+    args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=5)
+    ref = reference(*args)
+    tiles = {t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()}
+    for tile in sorted(tiles):
+        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
+        for n in (1, 3):
+            torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.float32], msg=f"tile {tile} splits {n}")
 
 
 def test_decode_attention_bytes():
@@ -302,6 +321,20 @@ def test_gpu_decode_real_shapes(shape, dtype):
     ref = reference(*args)
     for n in (None, 1, 8):
         torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_decode_every_tile_of_the_table(shape, monkeypatch):
+    H, K, D = SHAPES[shape]
+    lens = [1, 16, 17, 511, 513, 4097, 77, 2500]
+    args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=12)
+    ref = reference(*args)
+    for tile in sorted({t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()}):
+        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
+        for n in (1, 5):
+            torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.bfloat16], msg=f"tile {tile} splits {n}")
 
 
 @pytest.mark.gpu
