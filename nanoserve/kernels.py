@@ -53,10 +53,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 # %% ../chapters/09_paged_attention.ipynb #42ae9aff
 DECODE_TILES = (  # (up to this many decode programs per SM, {head dim up to: (BLOCK_N, num_warps, num_stages)})
-    (2, {64: (128, 4, 3), 128: (128, 4, 1)}),  # few programs, one or two tiles each: 32-64 KiB of keys and values
-    (5, {64: (64, 4, 3), 128: (32, 4, 3)}),  # 16 KiB per tile
-    (8, {64: (32, 4, 3), 128: (16, 2, 3)}),  # 8 KiB
-    (math.inf, {64: (16, 2, 2), 128: (16, 2, 3)}),  # one cache block per iteration: 4-8 KiB
+    (2, {64: (128, 4, 3), 128: (128, 4, 1)}),  # one or two tiles per program; 64 KiB stages of a head of 128: one
+    (5, {64: (64, 2, 3), 128: (64, 2, 3)}),
+    (math.inf, {64: (128, 4, 3), 128: (128, 4, 3)}),  # long ragged contexts: the longest program sets the time
 )
 DECODE_PROGRAMS_PER_SM = 4  # split contexts until sequences x KV heads x splits >= this x the SM count
 DECODE_MIN_SPLIT_TOKENS = 128  # ... but never into splits shorter than this

@@ -281,11 +281,12 @@ def test_choose_num_splits():
 
 
 def test_decode_tile_follows_the_table():
-    assert kernels.decode_tile(256 * 8 / 132, 64) == (16, 2, 2)  # batch 256, 8 KV heads: many programs, small tiles
+    assert kernels.decode_tile(256 * 8 / 132, 64) == (128, 4, 3)  # batch 256, 8 KV heads: the last row
+    assert kernels.decode_tile(8 * 8 * 9 / 132, 128) == (64, 2, 3)  # batch 8, 9 splits
     assert kernels.decode_tile(8 * 8 * 4 / 132, 128) == (128, 4, 1)  # batch 8, 4 splits: one big tile each
-    assert kernels.decode_tile(4.0, 80) == kernels.decode_tile(4.0, 128)  # a head dim between two columns takes the wider
+    assert kernels.decode_tile(1.0, 80) == kernels.decode_tile(1.0, 128)  # a head dim between two columns takes the wider
     assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
-    assert kernels.decode_tile(100, 256)[0] == 16  # never fewer keys than one cache block of 16
+    assert kernels.decode_tile(100, 1024)[0] == 16  # never fewer keys than one cache block of 16
 
 
 def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
