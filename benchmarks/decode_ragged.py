@@ -13,7 +13,7 @@ column: SDPA needs one length per batch, and padding to the longest would charge
 
     python benchmarks/decode_ragged.py --out benchmarks/results/decode_ragged_h100.json
 """
-import argparse, datetime, itertools, json, random, sys
+import argparse, datetime, itertools, random, sys
 from pathlib import Path
 
 import torch
@@ -86,11 +86,7 @@ def main(argv=None):
            "settings": {"dtype": "bfloat16", "block_size": 16, "contexts": list(CONTEXTS), "table_width": TABLE_WIDTH,
                         "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each"},
            "rows": rows}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    pa.emit(res, args.out)
 
 
 if __name__ == "__main__":

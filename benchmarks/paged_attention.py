@@ -255,6 +255,15 @@ def constants() -> dict:
                              for bound, tiles in kernels.DECODE_TILES]}
 
 
+def emit(res: dict, out: Path | None):
+    "Print the JSON record; also write it to `out` when given."
+    text = json.dumps(res, indent=1)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def git_commit() -> dict:
     if os.environ.get("GIT_COMMIT"):  # the device machine gets a copy of the tree without its history
         return {"git_commit": os.environ["GIT_COMMIT"], "git_dirty": os.environ.get("GIT_DIRTY") == "1"}
@@ -341,11 +350,7 @@ def main(argv=None):
         "met": bool(goal_rows) and all(r["frac_copy"] >= GOAL_FRAC for r in goal_rows) and bool(vs_sdpa) and min(vs_sdpa) >= 1.0,
     }
     log(f"goals: {res['goals']}")
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":
