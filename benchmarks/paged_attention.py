@@ -14,7 +14,8 @@ uniform lengths, so SDPA wastes nothing on padding), best of its backends.
     python benchmarks/paged_attention.py --decode-tile 64 4 2 --quick   # one decode tile everywhere, not DECODE_TILES
 
 The decode tile (keys per iteration, warps, pipeline stages) comes from nanoserve.kernels.DECODE_TILES by the number
-of programs per SM; benchmarks/decode_sweep.py is what measured that table.
+of programs per SM. benchmarks/decode_ragged.py chose that table on ragged batches like the engine's;
+benchmarks/decode_sweep.py searches tiles on uniform batches like these.
 
 Progress goes to stderr; stdout gets only the JSON.
 """

@@ -253,7 +253,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 
 def decode_tile(programs_per_sm: float, head_dim: int) -> tuple:
     "(BLOCK_N, num_warps, num_stages) of the decode kernel for a grid of this many programs per SM, from DECODE_TILES."
-    tiles = next(t for bound, t in DECODE_TILES if programs_per_sm <= bound)
+    tiles = next((t for bound, t in DECODE_TILES if programs_per_sm <= bound), DECODE_TILES[-1][1])
     fits = [d for d in sorted(tiles) if head_dim <= d]
     if fits: return tiles[fits[0]]
     block_n, warps, stages = tiles[max(tiles)]  # wider heads than the table's: as many bytes per tile, fewer keys

@@ -260,6 +260,9 @@ def test_bad_arguments_raise_value_errors(monkeypatch):
     for message, kwargs in cases.items():
         with pytest.raises(ValueError, match=message):
             call(**kwargs)
+    B = 65536  # one more sequence than the decode grid's second dimension holds
+    with pytest.raises(ValueError, match="B=65536 sequences"):
+        call(q=q[:1].expand(B, -1, -1), block_tables=bt[:1].expand(B, -1), context_lens=lens[:1].repeat(B))
     with pytest.raises(ValueError, match="cu_seqlens_q 3"):
         paged_prefill_attention(q, k_cache, v_cache, bt, lens, cu[:2], 0.125)
     with pytest.raises(ValueError, match="slot_mapping has 3 slots for 2 tokens"):
@@ -286,7 +289,24 @@ def test_decode_tile_follows_the_table():
     assert kernels.decode_tile(8 * 8 * 4 / 132, 128) == (128, 4, 1)  # batch 8, 4 splits: one big tile each
     assert kernels.decode_tile(1.0, 80) == kernels.decode_tile(1.0, 128)  # a head dim between two columns takes the wider
     assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
-    assert kernels.decode_tile(100, 1024)[0] == 16  # never fewer keys than one cache block of 16
+    assert kernels.decode_tile(4.0, 256) == (32, 2, 3)
+
+
+def test_decode_launches_the_tile_decode_tile_picks(monkeypatch):
+    lens = [1, 17, 100, 300, 40]
+    args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=6)
+    asked, launched = [], []
+    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim: asked.append((programs_per_sm, head_dim)) or (32, 2, 3))
+    kernel = kernels._decode_kernel
+    class Spy:  # records each launch's grid and launch options, then launches
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((grid, kw)) or kernel[grid](*a, **kw)
+    monkeypatch.setattr(kernels, "_decode_kernel", Spy())
+    out = decode(*args[:5], num_splits=3)
+    torch.testing.assert_close(out, reference(*args), **TOL[torch.float32])
+    (grid, kw), = launched
+    assert asked == [(2 * 5 * 3 / kernels._num_sms(out.device), 64)]  # KV heads x sequences x splits per SM
+    assert grid == (2, 5, 3) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 2, 3)
 
 
 def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
