@@ -369,6 +369,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
     if max_seqlen_q is None:
         max_seqlen_q = int(cu_seqlens_q.diff().max()) if B else 0
     if T == 0 or max_seqlen_q == 0: return out
+    if B > 65535: raise ValueError(f"B={B} sequences: the prefill grid holds at most 65535 per call")
     grid = (triton.cdiv(max_seqlen_q, PREFILL_BLOCK_M), H, B)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),

@@ -50,6 +50,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer{' or None' * allow_none}")
         positive("block_size"); positive("max_num_seqs")
+        if self.max_num_seqs > 65535:  # a CUDA grid's second and third dimensions hold at most 65535 programs
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most 65535 sequences per step (the attention kernels' grid)")
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"): positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1): raise ValueError(f"block_size={self.block_size}: expected a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -263,6 +263,9 @@ def test_bad_arguments_raise_value_errors(monkeypatch):
     B = 65536  # one more sequence than the decode grid's second dimension holds
     with pytest.raises(ValueError, match="B=65536 sequences"):
         call(q=q[:1].expand(B, -1, -1), block_tables=bt[:1].expand(B, -1), context_lens=lens[:1].repeat(B))
+    with pytest.raises(ValueError, match="B=65536 sequences"):
+        paged_prefill_attention(q, k_cache, v_cache, bt[:1].expand(B, -1), lens[:1].repeat(B),
+                                torch.arange(B + 1, dtype=torch.int32, device=DEVICE).clamp(max=2), 0.125)
     with pytest.raises(ValueError, match="cu_seqlens_q 3"):
         paged_prefill_attention(q, k_cache, v_cache, bt, lens, cu[:2], 0.125)
     with pytest.raises(ValueError, match="slot_mapping has 3 slots for 2 tokens"):
