@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_cache import PagedAttention
+from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention
 
 # %% ../chapters/09_paged_attention.ipynb #f0c1a330
 def decode_attention_bytes(num_seqs: int,  # B
@@ -105,6 +105,10 @@ def _check_devices(**tensors):
         raise ValueError("all tensors must be on one device; got " + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
     if devices.pop().type != "cuda" and not interpreting():
         raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
+
+def _check_num_seqs(B: int, kernel: str):
+    "B sequences fit in one launch of `kernel`'s grid."
+    if B > MAX_SEQS_PER_STEP: raise ValueError(f"B={B} sequences: the {kernel} grid holds at most {MAX_SEQS_PER_STEP} per call")
 
 def _output(out, q: torch.Tensor) -> torch.Tensor:
     "The output tensor: `out` after checking it matches q, or a new one."
@@ -282,7 +286,7 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
     if B == 0: return out
-    if B > 65535: raise ValueError(f"B={B} sequences: the decode grid holds at most 65535 per call")
+    _check_num_seqs(B, "decode")
     BLOCK_D, pdl = triton.next_power_of_2(D), _pdl(q.device)
     block_n, num_warps, num_stages = decode_tile(K * B * num_splits / _num_sms(q.device), D)
     if num_splits > 1:
@@ -369,7 +373,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
     if max_seqlen_q is None:
         max_seqlen_q = int(cu_seqlens_q.diff().max()) if B else 0
     if T == 0 or max_seqlen_q == 0: return out
-    if B > 65535: raise ValueError(f"B={B} sequences: the prefill grid holds at most 65535 per call")
+    _check_num_seqs(B, "prefill")
     grid = (triton.cdiv(max_seqlen_q, PREFILL_BLOCK_M), H, B)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),

@@ -16,7 +16,7 @@ import torch
 
 from .block_manager import BlockManager
 from .model import CausalLM
-from .paged_cache import PagedAttention, PagedAttentionMetadata, PagedKVCache, block_bytes
+from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, PagedAttentionMetadata, PagedKVCache, block_bytes
 from .sampling import SamplerOutput, SamplingParams, sample
 from .scheduler import SchedulerConfig, SchedulerOutput, Sequence
 
@@ -50,8 +50,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer{' or None' * allow_none}")
         positive("block_size"); positive("max_num_seqs")
-        if self.max_num_seqs > 65535:  # a CUDA grid's second and third dimensions hold at most 65535 programs
-            raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most 65535 sequences per step (the attention kernels' grid)")
+        if self.max_num_seqs > MAX_SEQS_PER_STEP:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most {MAX_SEQS_PER_STEP} sequences per step (the attention kernels' grid)")
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"): positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1): raise ValueError(f"block_size={self.block_size}: expected a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:

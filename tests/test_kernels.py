@@ -312,12 +312,16 @@ def test_decode_launches_the_tile_decode_tile_picks(monkeypatch):
     assert grid == (2, 5, 3) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 2, 3)
 
 
+def table_tiles() -> list:
+    "Every distinct tile of DECODE_TILES."
+    return sorted({t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()})
+
+
 def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
     lens = [1, 15, 16, 17, 100, 129, 300]
     args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=5)
     ref = reference(*args)
-    tiles = {t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()}
-    for tile in sorted(tiles):
+    for tile in table_tiles():
         monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
         for n in (1, 3):
             torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.float32], msg=f"tile {tile} splits {n}")
@@ -355,7 +359,7 @@ def test_gpu_decode_every_tile_of_the_table(shape, monkeypatch):
     lens = [1, 16, 17, 511, 513, 4097, 77, 2500]
     args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=12)
     ref = reference(*args)
-    for tile in sorted({t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()}):
+    for tile in table_tiles():
         monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
         for n in (1, 5):
             torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.bfloat16], msg=f"tile {tile} splits {n}")
