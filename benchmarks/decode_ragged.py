@@ -5,8 +5,8 @@ batches are ragged: in the throughput benchmark (chapter 11c) prompts and output
 decode step holds contexts from about 100 to 2048 positions, and its block tables are max_model_len / 16 = 128 blocks
 wide. With one program per (KV head, sequence, split), the longest context's programs finish last and set the
 kernel's time, which favours larger tiles than a uniform batch does. This script builds such batches (contexts
-uniform in [100, 2048], blocks scattered at random, tables 128 wide, splits from choose_num_splits) for the KV shapes
-of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
+uniform in [100, 2048], blocks scattered at random over a pool in the engine's layout, tables 128 wide, splits
+from choose_num_splits) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
 tile of TILES forced for every shape; every output is compared with the table's. Times are the median of
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py. There is no SDPA
 column: SDPA needs one length per batch, and padding to the longest would charge it for work the paged kernel skips.
@@ -37,8 +37,7 @@ def ragged_batch(B, H, K, D, seed):
     lens = [rng.randint(*CONTEXTS) for _ in range(B)]
     nb = [triton.cdiv(S, 16) for S in lens]
     torch.manual_seed(seed)
-    k_cache = torch.randn(sum(nb), 16, K, D, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = pa.random_pools(sum(nb), 16, K, D)  # laid out as the engine's cache
     perm, rows, start = torch.randperm(sum(nb)).tolist(), [], 0
     for n in nb:
         rows.append(perm[start:start + n] + [-1] * (TABLE_WIDTH - n))

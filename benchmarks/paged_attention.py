@@ -2,7 +2,7 @@
 
 Decode attention in bf16 for the KV shapes of Llama-3.2-1B (32 query heads, 8 KV heads of 64) and Qwen3-0.6B
 (16 query heads, 8 KV heads of 128), batch 1/8/64/256 x context 512/4096/16384, blocks of 16 scattered at random
-over the pool. Each time is the median of triton.testing.do_bench, which zeroes a 256 MB buffer before every call,
+over a pool laid out as the engine's PagedKVCache (head-major inside a block, chapter 8b). Each time is the median of triton.testing.do_bench, which zeroes a 256 MB buffer before every call,
 so the L2 cache holds none of the inputs. Bandwidth = decode_attention_bytes / time, compared with a large
 device-to-device copy measured in the same run ((bytes read + bytes written) / time), and the time compared with
 torch's scaled_dot_product_attention on the same data laid out contiguously ([B, K, S, D], enable_gqa=True;
@@ -34,7 +34,7 @@ import triton
 
 import nanoserve.kernels as kernels
 from nanoserve.kernels import choose_num_splits, decode_attention_bytes, paged_decode_attention, paged_prefill_attention
-from nanoserve.paged_cache import paged_attention_ref
+from nanoserve.paged_cache import PagedKVCache, paged_attention_ref
 
 DEVICE = "cuda"
 MODELS = {"Llama-3.2-1B": (32, 8, 64), "Qwen3-0.6B": (16, 8, 128)}  # H, K, D
@@ -94,12 +94,23 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def engine_pools(values_k: torch.Tensor, values_v: torch.Tensor) -> tuple:
+    "One layer's key and value pools laid out in memory as the engine's PagedKVCache lays them out (chapter 8b), holding these values."
+    pools = PagedKVCache(1, *values_k.shape, dtype=values_k.dtype, device=values_k.device)
+    return pools.k[0].copy_(values_k), pools.v[0].copy_(values_v)
+
+
+def random_pools(num_blocks, block_size, K, D, dtype=torch.bfloat16) -> tuple:
+    "Key and value pools of random values in the engine's layout, filled in place (no second copy in memory)."
+    pools = PagedKVCache(1, num_blocks, block_size, K, D, dtype=dtype, device=DEVICE)
+    return pools.k[0].normal_(), pools.v[0].normal_()
+
+
 def paged_inputs(B, S, H, K, D, block_size, dtype=torch.bfloat16, seed=0):
     "Uniform-length decode inputs: q (B, H, D), caches with each sequence's blocks scattered at random, tables, lens."
     torch.manual_seed(seed)
     nb = triton.cdiv(S, block_size)
-    k_cache = torch.randn(B * nb, block_size, K, D, dtype=dtype, device=DEVICE)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = random_pools(B * nb, block_size, K, D, dtype)
     block_tables = torch.randperm(B * nb, device=DEVICE).view(B, nb).int()
     context_lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
     q = torch.randn(B, H, D, dtype=dtype, device=DEVICE)
@@ -207,8 +218,7 @@ def check(block_size) -> dict:
         width = max(nb)
         i32 = dict(dtype=torch.int32, device=DEVICE)
         bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], **i32)
-        k_cache = torch.randn(sum(nb), block_size, K, D, generator=g).bfloat16().to(DEVICE)
-        v_cache = torch.randn(sum(nb), block_size, K, D, generator=g).bfloat16().to(DEVICE)
+        k_cache, v_cache = engine_pools(*(torch.randn(sum(nb), block_size, K, D, generator=g).bfloat16().to(DEVICE) for _ in "kv"))
         ctx = torch.tensor(lens, **i32)
         # decode
         q = torch.randn(len(lens), H, D, generator=g).bfloat16().to(DEVICE)

@@ -53,7 +53,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 # %% ../chapters/09_paged_attention.ipynb #42ae9aff
 DECODE_TILES = (  # (up to this many decode programs per SM, {head dim up to: (BLOCK_N, num_warps, num_stages)})
-    (2, {64: (128, 4, 3), 128: (128, 4, 1)}),  # one or two tiles per program; 64 KiB stages of a head of 128: one
+    (1, {64: (128, 4, 3), 128: (128, 4, 1)}),  # at most one program per SM; 64 KiB stages of a head of 128: one
     (5, {64: (64, 2, 3), 128: (64, 2, 3)}),
     (math.inf, {64: (128, 4, 3), 128: (128, 4, 3)}),  # long ragged contexts: the longest program sets the time
 )

@@ -18,7 +18,7 @@ from .model import CausalLM, ModelConfig
 
 # %% ../chapters/08b_paged_cache.ipynb #fc7f05d0
 class PagedKVCache:
-    "Key and value storage in fixed-size blocks for every layer: `k`, `v` of shape (L, num_blocks, block_size, K, D)."
+    "Key and value storage in fixed-size blocks for every layer: `k`, `v` of shape (L, num_blocks, block_size, K, D), head-major in memory."
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         sizes = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
@@ -26,9 +26,9 @@ class PagedKVCache:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
-        shape = tuple(sizes.values())  # (L, num_blocks, block_size, K, D)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        memory = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)  # a head's tokens of a block side by side
+        self.k = torch.zeros(memory, dtype=dtype, device=device).transpose(2, 3)  # seen as (L, num_blocks, block_size, K, D)
+        self.v = torch.zeros(memory, dtype=dtype, device=device).transpose(2, 3)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
@@ -70,8 +70,9 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens'
                          f"got values from {slot_mapping.min().item()} to {slot_mapping.max().item()}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)  # (num_slots, K, D): a row per slot
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[block, offset] = k[keep].to(k_cache.dtype)  # (n, K, D): each kept token's heads at its block and offset
+    v_cache[block, offset] = v[keep].to(v_cache.dtype)
 
 # %% ../chapters/08b_paged_cache.ipynb #0e72fd2c
 def gather_kv(cache: torch.Tensor,  # (num_blocks, block_size, K, D): one layer's key or value pool

@@ -24,14 +24,19 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-2,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def paged_batch(context_lens, q_lens, H, K, D, block_size, dtype=torch.float32, seed=0, device=DEVICE, pad=-1):
+def paged_batch(context_lens, q_lens, H, K, D, block_size, dtype=torch.float32, seed=0, device=DEVICE, pad=-1,
+                head_major=False):
     "A random paged batch (q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q), stored by the reference."
     g = torch.Generator().manual_seed(seed)
     need = [-(-S // block_size) for S in context_lens]
     perm = torch.randperm(sum(need) + 3, generator=g).tolist()  # scattered blocks; three belong to nobody
     tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
-    k_cache = torch.full((len(perm), block_size, K, D), float("nan"), dtype=dtype, device=device)
-    v_cache = k_cache.clone()
+    if head_major:  # the layout of the engine's PagedKVCache (chapter 8b)
+        pools = PagedKVCache(1, len(perm), block_size, K, D, dtype, device)
+        k_cache, v_cache = pools.k[0].fill_(float("nan")), pools.v[0].fill_(float("nan"))
+    else:  # token-major: (num_blocks, block_size, K, D) contiguous
+        k_cache = torch.full((len(perm), block_size, K, D), float("nan"), dtype=dtype, device=device)
+        v_cache = k_cache.clone()
     slots = [t[p // block_size] * block_size + p % block_size for t, S in zip(tables, context_lens) for p in range(S)]
     k, v = (torch.randn(len(slots), K, D, generator=g).to(dtype).to(device) for _ in range(2))
     store_kv_ref(k, v, k_cache, v_cache, torch.tensor(slots, device=device))
@@ -128,6 +133,23 @@ def test_decode_block_table_padding_is_never_read():
     for pad in (0, 10**6):  # any padding value (-1 elsewhere): positions past a context are masked before their block id is read
         args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=2, pad=pad)
         torch.testing.assert_close(decode(*args[:5], num_splits=2), reference(*args), **TOL[torch.float32])
+
+
+def test_kernels_on_the_head_major_pools_of_paged_kv_cache():
+    "The kernels read and write through strides: on PagedKVCache's head-major pools they match the reference too."
+    lens, q_lens = [16, 17, 33, 1, 70], [16, 1, 5, 1, 70]
+    args = paged_batch(lens, q_lens, 4, 2, 64, 16, seed=7, head_major=True)
+    assert args[1].stride()[1:] == (64, 16 * 64, 1)  # (token, head, dim): a head's 16 tokens side by side
+    torch.testing.assert_close(prefill(*args), reference(*args), **TOL[torch.float32])
+    dec = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=8, head_major=True)
+    for n in (1, 3):
+        torch.testing.assert_close(decode(*dec[:5], num_splits=n), reference(*dec), **TOL[torch.float32])
+    k, v = torch.randn(2, 9, 2, 64).to(DEVICE)
+    slots = torch.tensor([3, 40, -1, 17, 0, 63, 16, 5, 41], device=DEVICE)
+    ours, ref = (PagedKVCache(1, 4, 16, 2, 64, device=DEVICE) for _ in range(2))
+    store_kv(k, v, ours.k[0], ours.v[0], slots)
+    store_kv_ref(k, v, ref.k[0], ref.v[0], slots)
+    assert torch.equal(ours.k, ref.k) and torch.equal(ours.v, ref.v) and ours.k.count_nonzero() == 8 * 2 * 64
 
 
 def test_decode_empty_batch():
@@ -289,7 +311,9 @@ def test_choose_num_splits():
 def test_decode_tile_follows_the_table():
     assert kernels.decode_tile(256 * 8 / 132, 64) == (128, 4, 3)  # batch 256, 8 KV heads: the last row
     assert kernels.decode_tile(8 * 8 * 9 / 132, 128) == (64, 2, 3)  # batch 8, 9 splits
-    assert kernels.decode_tile(8 * 8 * 4 / 132, 128) == (128, 4, 1)  # batch 8, 4 splits: one big tile each
+    assert kernels.decode_tile(8 * 8 * 4 / 132, 128) == (64, 2, 3)  # batch 8, 4 splits: 1.9 programs per SM
+    assert kernels.decode_tile(1 * 8 * 16 / 132, 128) == (128, 4, 1)  # batch 1, 16 splits: under one program per SM
+    assert kernels.decode_tile(1 * 8 * 16 / 132, 64) == (128, 4, 3)
     assert kernels.decode_tile(1.0, 80) == kernels.decode_tile(1.0, 128)  # a head dim between two columns takes the wider
     assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
     assert kernels.decode_tile(4.0, 256) == (32, 2, 3)

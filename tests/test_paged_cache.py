@@ -46,7 +46,7 @@ def test_cache_shapes_and_size():
     assert c.k.shape == c.v.shape == (3, 5, 4, 2, 8) and c.k.dtype == torch.bfloat16
     assert (c.num_layers, c.num_blocks, c.block_size) == (3, 5, 4)
     assert c.nbytes == 2 * 3 * 5 * 4 * 2 * 8 * 2
-    assert c.k[1].stride() == (4 * 2 * 8, 2 * 8, 8, 1)  # a block contiguous, then a token, then a head
+    assert c.k[1].stride() == (4 * 2 * 8, 8, 4 * 8, 1)  # (block, token, head, dim): a head's 4 tokens of a block side by side
     assert "num_blocks=5" in repr(c)
 
 
@@ -76,6 +76,18 @@ def test_store_writes_slots_and_skips_minus_one():
     flat_k, flat_v = kc.view(8, 1, 3), vc.view(8, 1, 3)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], -k[0])
     assert flat_k[[1, 2, 3, 4, 6, 7]].eq(0).all() and flat_v[[1, 2, 3, 4, 6, 7]].eq(0).all()  # padding rows landed nowhere
+
+
+def test_store_into_the_caches_head_major_pool():
+    "store_kv_ref writes through the strides of PagedKVCache's pools, which are not contiguous in (block, token, head, dim)."
+    cache = PagedKVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=5)
+    k = torch.randn(6, 2, 5)
+    slots = torch.tensor([11, 0, -1, 5, 4, 7])
+    store_kv_ref(k, -k, cache.k[1], cache.v[1], slots)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(cache.k[1, s // 4, s % 4], k[t]) and torch.equal(cache.v[1, s // 4, s % 4], -k[t])
+    assert cache.k[0].eq(0).all() and cache.k[1].ne(0).any(dim=-1).sum() == 2 * 5  # 5 tokens x 2 heads, layer 0 untouched
 
 
 def test_store_all_padding_and_empty():
