@@ -300,7 +300,7 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
         H=H, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_SIZE=block_size,
-        BLOCK_N=max(block_n, block_size), SPLIT=num_splits > 1, UPCAST=interpreting(),
+        BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),
         PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
@@ -380,7 +380,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=max(PREFILL_BLOCK_N, block_size), UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
     return out
 

@@ -152,6 +152,29 @@ def test_kernels_on_the_head_major_pools_of_paged_kv_cache():
     assert torch.equal(ours.k, ref.k) and torch.equal(ours.v, ref.v) and ours.k.count_nonzero() == 8 * 2 * 64
 
 
+class LaunchSpy:
+    "Stands in for a Triton kernel: records each launch's grid and keyword arguments, then launches."
+    def __init__(self, kernel): self.kernel, self.launches = kernel, []
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.launches.append((grid, kw)) or self.kernel[grid](*a, **kw)
+
+
+def test_kernels_with_blocks_larger_than_their_tiles(monkeypatch):
+    "Blocks of 256 tokens under 16-key tiles: each tile reads part of one block, and the tiles do not grow with the block."
+    lens, q_lens = [1, 255, 256, 257, 600], [1, 100, 1, 257, 30]
+    pre = paged_batch(lens, q_lens, 4, 2, 16, 256, seed=9)
+    dec = paged_batch(lens, [1] * len(lens), 4, 2, 16, 256, seed=10)
+    prefill_spy, decode_spy = LaunchSpy(kernels._prefill_kernel), LaunchSpy(kernels._decode_kernel)
+    monkeypatch.setattr(kernels, "_prefill_kernel", prefill_spy)
+    monkeypatch.setattr(kernels, "_decode_kernel", decode_spy)
+    monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
+    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim: (16, 2, 2))
+    torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.float32])
+    for n in (1, 3):
+        torch.testing.assert_close(decode(*dec[:5], num_splits=n), reference(*dec), **TOL[torch.float32])
+    assert [kw["BLOCK_N"] for _, kw in prefill_spy.launches + decode_spy.launches] == [16, 16, 16]
+
+
 def test_decode_empty_batch():
     q, k_cache, v_cache, bt, lens, _ = paged_batch([5], [1], 4, 2, 64, 16)
     out = paged_decode_attention(q[:0], k_cache, v_cache, bt[:0], lens[:0], 0.125)
@@ -322,16 +345,13 @@ def test_decode_tile_follows_the_table():
 def test_decode_launches_the_tile_decode_tile_picks(monkeypatch):
     lens = [1, 17, 100, 300, 40]
     args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=6)
-    asked, launched = [], []
+    asked = []
     monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim: asked.append((programs_per_sm, head_dim)) or (32, 2, 3))
-    kernel = kernels._decode_kernel
-    class Spy:  # records each launch's grid and launch options, then launches
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append((grid, kw)) or kernel[grid](*a, **kw)
-    monkeypatch.setattr(kernels, "_decode_kernel", Spy())
+    spy = LaunchSpy(kernels._decode_kernel)
+    monkeypatch.setattr(kernels, "_decode_kernel", spy)
     out = decode(*args[:5], num_splits=3)
     torch.testing.assert_close(out, reference(*args), **TOL[torch.float32])
-    (grid, kw), = launched
+    (grid, kw), = spy.launches
     assert asked == [(2 * 5 * 3 / kernels._num_sms(out.device), 64)]  # KV heads x sequences x splits per SM
     assert grid == (2, 5, 3) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 2, 3)
 
@@ -398,6 +418,18 @@ def test_gpu_prefill_real_shapes(shape, block_size):
     lens, q_lens = [1000, 1000, 2000, 129, 64, 700], [1000, 700, 1, 129, 64, 3]
     args = paged_batch(lens, q_lens, H, K, D, block_size, torch.bfloat16, seed=12)
     torch.testing.assert_close(prefill(*args), reference(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_blocks_of_256_with_heads_of_256():
+    "A large block and a wide head in bf16: the tiles stay within shared memory (they used to grow to the block)."
+    lens, q_lens = [1, 300, 700, 256], [1, 300, 50, 1]
+    pre = paged_batch(lens, q_lens, 8, 2, 256, 256, torch.bfloat16, seed=15, head_major=True)
+    torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])
+    dec = paged_batch(lens, [1] * len(lens), 8, 2, 256, 256, torch.bfloat16, seed=16, head_major=True)
+    for n in (None, 1, 4):
+        torch.testing.assert_close(decode(*dec[:5], num_splits=n), reference(*dec), **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
