@@ -5,7 +5,8 @@ batch >= 8, for the KV shapes of Llama-3.2-1B (32 query heads, 8 KV heads of 64)
 heads of 128), bf16, cache blocks of 16, contexts 512/4096/16384, batch 8/64/256. This script measures, per
 (shape, batch, context):
 
-  baseline  nanoserve.kernels.paged_decode_attention with its default heuristics (cache (blocks, 16, K, D));
+  baseline  nanoserve.kernels.paged_decode_attention with its default heuristics, on the head-major cache that
+            PagedKVCache uses since commit 36c4d6d (results/decode_sweep_h100.json predates it: its baseline ran on std);
   std/...   this script's own kernel on the same layout, sweeping BLOCK_N x num_warps x num_stages at the default
             split heuristic, then num_splits in (1, 2, 4) at the best tiles;
   hm/...    the same kernel on a head-major cache (blocks, K, 16, D): each (block, KV head) tile one contiguous run;
@@ -310,7 +311,7 @@ class Variant:
         "A no-argument callable running this variant on `data` (a dict of inputs, caches by layout, out, ws)."
         q, bt, lens, scale, out = data["q"], data["bt"], data["lens"], data["scale"], data["out"]
         if self.layout == "baseline":
-            kc, vc = data["caches"]["std"]
+            kc, vc = data["caches"]["hm"]  # the engine's layout
             return lambda: paged_decode_attention(q, kc, vc, bt, lens, scale, num_splits=self.splits, out=out)
         kc, vc = data["caches"][cache_of(self.layout)]
         n, w, s = self.tile
