@@ -663,7 +663,8 @@ class Sweep:
         max_splits = max(16, heur, max(SPLITS))
         data = dict(q=q, bt=bt, lens=lens, scale=scale, out=torch.empty_like(q), sdpa_out=sdpa_out,
                     sdpa_max=sdpa_out.abs().max().item(), screen=screen,
-                    caches={"std": (k_cache, v_cache)}, ws=Workspace(B, H, K, D, max_splits, DEVICE))
+                    caches={"std": (k_cache, v_cache), "hm": (head_major(k_cache), head_major(v_cache))},  # hm: also the baseline's
+                    ws=Workspace(B, H, K, D, max_splits, DEVICE))
         # baseline
         base = Variant("baseline", 0, 0, 0, None)
         self.time_variant(base, data, row, full=True)
@@ -679,8 +680,6 @@ class Sweep:
                 screened[v.name] = (v, ms)
 
         for layout in self.layouts:
-            if cache_of(layout) == "hm" and "hm" not in data["caches"]:
-                data["caches"]["hm"] = (head_major(k_cache), head_major(v_cache))
             if self.over_budget():
                 log(f"    over budget: screening {layout} with the top tiles of earlier configurations only")
                 tl_ = self.favourite_tiles(model, layout)
