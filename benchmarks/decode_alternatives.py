@@ -120,7 +120,7 @@ def _stream_k_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr,
         j = tl.where(item_done, 0, j + 1)
         kh = tl.where(seq_done, 0, kh_next)
         b = tl.where(seq_done, b + 1, b)
-        # the next item's tile count from registers: loading it from lens each iteration crashes Triton 3.6's pipeliner
+        # the next item's tile count from registers: read from lens in the loop, Triton's pipeliner (3.6, 3.9) fails
         n_b = tl.sum(tl.where(offs_b == b, ntiles, 0), 0)
         S = tl.load(lens_ptr + b, mask=seq_done & (b < B), other=S)
 
