@@ -36,8 +36,8 @@ try:
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 import nanoserve.kernels as kernels
-from nanoserve.kernels import (_decode_reduce_kernel, _dot_precision, _follow_early, _load_kv_tile, _pdl, interpreting,
-                               paged_decode_attention)
+from nanoserve.kernels import (_decode_reduce_kernel, _dot_precision, _follow_early, _load_kv_tile, _pdl, _store_decode_result,
+                               interpreting, paged_decode_attention)
 
 # ---- the online-softmax step, safe for a tile with no valid key (an empty context or an empty split)
 
@@ -235,15 +235,8 @@ def _interleaved_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_p
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, kh * stride_ch,
                              offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
         acc, m_i, l_i = _guarded_step(q, k, v, n_mask[None, :], acc, m_i, l_i, qk_scale, PRECISION)
-    if SPLIT:
-        part = (b * H + heads) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
+                         stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
 
 def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, peel=True):

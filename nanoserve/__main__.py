@@ -10,8 +10,6 @@ __all__ = ['prepare', 'sampling_params', 'run_generate', 'add_generate_parser', 
 # %% ../chapters/90_cli.ipynb #8e7da62b
 import argparse, dataclasses, json, logging, sys
 
-import torch
-
 from . import __version__
 from .benchmark import latency_benchmark, throughput_benchmark
 from .generate import generate
@@ -43,7 +41,6 @@ def sampling_params(args) -> SamplingParams:
 def run_generate(args) -> int:
     "Stream one completion to stdout."
     params = sampling_params(args)
-    if args.device == "cuda" and not torch.cuda.is_available(): raise ValueError("--device cuda: no CUDA device is available")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device), load_tokenizer(args.model)
     if args.chat: prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
     else: prompt_ids = tokenizer.encode(args.prompt)

@@ -113,6 +113,7 @@ class AsyncLLMEngine:
     is_running = property(lambda self: self._thread is not None and self._thread.is_alive() and self._drain_until is None)
     tokenizer = property(lambda self: self.engine.tokenizer)             # what a server needs to know of the engine
     max_model_len = property(lambda self: self.engine.runner.max_model_len)
+    kv_capacity = property(lambda self: self.engine.runner.kv_capacity)  # tokens the whole KV pool holds
     def _queued(self) -> int: return self._commands.qsize()             # commands sent that the engine has not taken
     def __repr__(self): return f"{type(self).__name__}({self.engine!r}, running={self.is_running}, {self.stats})"
 

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['random_requests', 'weight_bytes_per_step', 'matmul_params', 'workload_floor', 'copy_bandwidth', 'matmul_rate',
-           'time_engine', 'time_transformers', 'environment', 'throughput_benchmark', 'latency_benchmark']
+           'time_engine', 'time_transformers', 'environment', 'check_counts', 'throughput_benchmark',
+           'latency_benchmark']
 
 # %% ../chapters/11c_benchmark.ipynb #76da4496
 import json, os, platform, random, subprocess, time
@@ -148,9 +149,16 @@ def environment() -> dict:
             "dirty": (os.environ["GIT_DIRTY"] == "1") if "GIT_DIRTY" in os.environ else bool(git("status", "--porcelain", "--", "nanoserve"))}
 
 # %% ../chapters/11c_benchmark.ipynb #0515046b
+def check_counts(**counts):
+    "Raise ValueError naming the first count that is not an integer of at least 1 (at least 2 for output_len)."
+    for name, n in counts.items():
+        low = 2 if name == "output_len" else 1  # a time per output token needs a second token
+        if isinstance(n, bool) or not isinstance(n, int) or n < low: raise ValueError(f"{name}={n!r}: expected an integer >= {low}")
+
 def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 1024), output_len=(100, 1024), seed: int = 0,
                          compare_hf: bool = False, **engine_options) -> dict:
     "Run the offline throughput benchmark; returns the JSON record (engine, floor, optional transformers)."
+    check_counts(num_prompts=num_prompts)  # before the model loads
     llm = LLM(model, seed=seed, **engine_options)
     runner, cfg = llm.llm_engine.runner, llm.llm_engine.model.config
     requests = random_requests(num_prompts, tuple(input_len), tuple(output_len), cfg.vocab_size, seed)
@@ -177,6 +185,7 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
 def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, batch_size: int = 1, num_iters: int = 3,
                       seed: int = 0, **engine_options) -> dict:
     "Time generating `output_len` tokens for `batch_size` prompts of `input_len` random tokens; the best of `num_iters`."
+    check_counts(input_len=input_len, output_len=output_len, batch_size=batch_size, num_iters=num_iters)
     llm = LLM(model, seed=seed, **engine_options)
     cfg, runner = llm.llm_engine.model.config, llm.llm_engine.runner
     prompts = [ids for ids, _ in random_requests(batch_size, (input_len, input_len), (1, 1), cfg.vocab_size, seed)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import BlockManager
+from .generate import prompt_token_ids
 from .loader import load_model, resolve_model
 from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator
@@ -121,13 +122,8 @@ def _prompt_token_ids(self: LLMEngine, prompt) -> list:
     "The token ids of a prompt given as a string or as token ids, checked against the vocabulary."
     if isinstance(prompt, str):
         if self.tokenizer is None: raise ValueError("this model has no tokenizer: give the prompt as token ids")
-        ids = self.tokenizer.encode(prompt)
-    else: ids = list(prompt)
-    if not ids: raise ValueError("the prompt is empty: it needs at least one token")
-    V = self.model.config.vocab_size
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
-    if bad: raise ValueError(f"prompt token ids must be integers in [0, {V}); got {bad[:5]}")
-    return ids
+        prompt = self.tokenizer.encode(prompt)
+    return prompt_token_ids(prompt, self.model.config.vocab_size)  # chapter 7's checks
 
 def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | None = None,
                  arrival_time: float | None = None, stream: bool = True) -> str:
@@ -227,6 +223,10 @@ LLMEngine.abort = _abort
 def _as_prompt_list(prompts) -> list:
     "One prompt (a string or a list of token ids) or a list of them, as a list of prompts."
     if isinstance(prompts, str): return [prompts]
+    if isinstance(prompts, bytes): raise ValueError("prompts is bytes: decode it to a string, or give token ids")
+    if hasattr(prompts, "tolist"): prompts = prompts.tolist()  # a tensor or array of token ids: one prompt, or one per row
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts is a {type(prompts).__name__}: give a string, a list of token ids, or a list of those")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts): return [prompts]  # one tokenized prompt
     for i, p in enumerate(prompts):
@@ -238,6 +238,8 @@ def _as_params_list(sampling_params, n: int) -> list:
     "One SamplingParams per prompt."
     if sampling_params is None: sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams): return [sampling_params] * n
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(f"sampling_params is a {type(sampling_params).__name__}: give a SamplingParams, or a list of them")
     params = list(sampling_params)
     if len(params) != n: raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
     return params

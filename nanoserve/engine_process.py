@@ -161,13 +161,13 @@ def engine_process_main(conn, model, engine_options: dict):
     except Exception as e:
         conn.send([("failed", type(e).__name__, str(e))])
         return
-    conn.send([("ready", engine.runner.max_model_len, engine.runner.summary())])
+    conn.send([("ready", engine.runner.max_model_len, engine.runner.kv_capacity, engine.runner.summary())])
     EngineLoop(engine, conn).run()
 
 # %% ../chapters/12e_engine_process.ipynb #39daed53
 class EngineProcess(AsyncLLMEngine):
     "AsyncLLMEngine's interface with the engine in a child process; only commands and output deltas cross."
-    tokenizer, max_model_len = None, 0   # instance attributes here (the base class reads them from its engine)
+    tokenizer, max_model_len, kv_capacity = None, 0, 0  # instance attributes here (the base class reads them from its engine)
 
     def __init__(self, model=None, max_waiting: int | None = None, **engine_options):
         super().__init__(None, max_waiting)
@@ -181,7 +181,7 @@ class EngineProcess(AsyncLLMEngine):
         self._assemblies: dict = {}  # request_id -> OutputAssembly, of requests the engine holds
         self._send_lock, self._shutdown_lock = threading.Lock(), threading.Lock()
         self.step_seconds: dict = {}
-        self.max_model_len, self.summary = self._wait_until_ready()
+        self.max_model_len, self.kv_capacity, self.summary = self._wait_until_ready()
         self.tokenizer = _tokenizer_or_none(model)
         log.info("engine process %d: %s", self.process.pid, self.summary)
 
@@ -192,7 +192,7 @@ class EngineProcess(AsyncLLMEngine):
     def __repr__(self): return f"EngineProcess(pid={self.process.pid}, running={self.is_running}, {self.stats})"
 
     def _wait_until_ready(self) -> tuple:
-        "The child's ready message (max_model_len, KV summary); its error, raised here, if it failed to start."
+        "The child's ready message (max_model_len, KV capacity in tokens, KV summary); its error, raised here, if it failed to start."
         try: (kind, *args), = self._conn.recv()
         except EOFError:
             self.process.join()

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention
+from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, check_slots, check_tables
 
 # %% ../chapters/09_paged_attention.ipynb #f0c1a330
 def decode_attention_bytes(num_seqs: int,  # B
@@ -110,6 +110,22 @@ def _check_num_seqs(B: int, kernel: str):
     "B sequences fit in one launch of `kernel`'s grid."
     if B > MAX_SEQS_PER_STEP: raise ValueError(f"B={B} sequences: the {kernel} grid holds at most {MAX_SEQS_PER_STEP} per call")
 
+def _check_scale(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale!r}: expected a positive finite number")
+
+def _check_values(k_cache, block_tables, context_lens, cu_seqlens_q=None, num_queries: int = 0, max_seqlen_q=None):
+    """In Triton's interpreter only, where the tensors are on the host already: the values a kernel trusts. A block id
+    outside the pool would read outside it, which in the interpreter crashes the Python process."""
+    if not interpreting(): return
+    check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
+    if cu_seqlens_q is None: return
+    q_lens = cu_seqlens_q.diff()
+    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_queries or (q_lens < 0).any() or (q_lens > context_lens).any():
+        raise ValueError(f"cu_seqlens_q must rise from 0 to T={num_queries}, by at most each context_len; got {cu_seqlens_q.tolist()[:9]}")
+    if max_seqlen_q is not None and q_lens.numel() and max_seqlen_q < q_lens.max():
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query, {q_lens.max().item()} tokens")
+
 def _output(out, q: torch.Tensor) -> torch.Tensor:
     "The output tensor: `out` after checking it matches q, or a new one."
     if out is None: return torch.empty_like(q)
@@ -149,6 +165,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     if len(slot_mapping) != len(k):
         raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {len(k)} tokens")
     _check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if interpreting(): check_slots(slot_mapping, k_cache)  # see _check_values
     if len(k) == 0: return
     pdl = _pdl(k.device)
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
@@ -186,6 +203,20 @@ def _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION: tl.
     return acc, m_new, l_i
 
 # %% ../chapters/09_paged_attention.ipynb #5446cd3c
+@triton.jit
+def _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
+                         stride_ob, stride_oh, offs_d, g_mask, gd_mask, H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    "A program's result for its G query heads: the output acc / l, or with splits the partial (acc, m, l) for the reduction."
+    if SPLIT:  # partial results (B, H, splits[, D])
+        part = (b * H + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -215,15 +246,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_ptr + b * stride_bt, n, n_mask, kh * stride_ch,
                              offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
         acc, m_i, l_i = _online_softmax_step(q, k, v, n_mask[None, :], acc, m_i, l_i, qk_scale, PRECISION)
-    if SPLIT:  # partial results (B, H, splits[, D]) for the reduction
-        part = (b * H + heads) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
+                         stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
 # %% ../chapters/09_paged_attention.ipynb #a692cba0
 @triton.jit(do_not_specialize=["num_splits"])
@@ -281,6 +305,8 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
         raise ValueError(f"q has B={B} sequences but block_tables has {len(block_tables)} rows and context_lens {len(context_lens)}")
     out = _output(out, q)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens, out=out)
+    _check_scale(scale)
+    _check_values(k_cache, block_tables, context_lens)
     if num_splits is None:
         num_splits = choose_num_splits(B, K, block_tables.shape[1] * block_size, _num_sms(q.device))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
@@ -370,6 +396,10 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
     out = _output(out, q)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens,
                    cu_seqlens_q=cu_seqlens_q, out=out)
+    _check_scale(scale)
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q!r}: expected None or an integer >= 0, the longest query")
+    _check_values(k_cache, block_tables, context_lens, cu_seqlens_q, T, max_seqlen_q)
     if max_seqlen_q is None:
         max_seqlen_q = int(cu_seqlens_q.diff().max()) if B else 0
     if T == 0 or max_seqlen_q == 0: return out

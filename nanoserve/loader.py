@@ -105,7 +105,10 @@ def resolve_model(model: str | os.PathLike | None = None, config_only: bool = Fa
     if path.is_dir():
         if not (path / "config.json").exists(): raise ValueError(f"model={str(model)!r}: directory has no config.json")
         return path
-    if HUB_ID.match(str(model)): return download(str(model), ["*.json"] if config_only else HUB_PATTERNS)
+    if HUB_ID.match(str(model)):
+        try: return download(str(model), ["*.json"] if config_only else HUB_PATTERNS)
+        except RuntimeError as e:  # "models/llama" names a hub id and a relative path alike: say it is neither
+            raise RuntimeError(f"{e} There is no local directory {str(model)!r} either.") from e.__cause__
     raise ValueError(f"model={str(model)!r} is neither a local directory, a HuggingFace hub id (org/name), "
                      f"nor {DEFAULT_MODEL!r} (the built-in default)")
 
@@ -246,17 +249,25 @@ def default_model_dir() -> Path:
 
 # %% ../chapters/05b_loader.ipynb #0d911584
 def pick_device(device=None) -> torch.device:
-    "The device to run on: `device` if given, else CUDA when available, else the CPU."
-    return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    "The device to run on: `device` if given (a CPU, or a CUDA GPU this machine has), else CUDA when available, else the CPU."
+    if device is None: return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try: d = torch.device(device)
+    except (RuntimeError, TypeError) as e: raise ValueError(f"device={device!r}: not a device ({e})") from None
+    if d.type not in ("cpu", "cuda"): raise ValueError(f"device={device!r}: nanoserve runs on 'cpu' or 'cuda'")
+    if d.type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"device={device!r}: no CUDA device is available")
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return d
 
 def pick_dtype(dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     "`dtype` (a torch.dtype or its name) if given, else float32 on CPU and the checkpoint's dtype on GPU."
     if dtype is None: dtype = "float32" if device.type == "cpu" else cfg.torch_dtype
+    given = dtype
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
         dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(name, name), None)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype={dtype!r}: expected float32, float16 or bfloat16")
+        raise ValueError(f"dtype={given!r}: expected float32, float16 or bfloat16")
     return dtype
 
 # %% ../chapters/05b_loader.ipynb #6ec0c31c

@@ -79,6 +79,8 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if d.get("use_sliding_window"): raise ValueError("use_sliding_window=True is not supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in d]
+    if missing: raise ValueError(f"the model's config lacks {', '.join(missing)}")
     theta, scaling = _rope(d)
     heads = d["num_attention_heads"]
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -98,7 +100,10 @@ def _from_json(cls, path) -> "ModelConfig":
     "Read `path` (a config.json, or a checkpoint directory holding one)."
     path = Path(path)
     if path.is_dir(): path = path / "config.json"
-    return cls.from_dict(json.loads(path.read_text()))
+    try: d = json.loads(path.read_text())
+    except json.JSONDecodeError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
+    try: return cls.from_dict(d)
+    except ValueError as e: raise ValueError(f"{path}: {e}") from None
 
 ModelConfig.from_dict, ModelConfig.from_json = _from_dict, _from_json
 

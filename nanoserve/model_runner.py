@@ -54,9 +54,13 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most {MAX_SEQS_PER_STEP} sequences per step (the attention kernels' grid)")
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"): positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1): raise ValueError(f"block_size={self.block_size}: expected a power of two")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        for name in ("enforce_eager", "fuse_ops"):
+            if not isinstance(getattr(self, name), bool): raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: expected a fraction in (0, 1]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int): raise ValueError(f"seed={self.seed!r}: expected an integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed={self.seed!r}: expected an integer in [-2**63, 2**64), as torch.manual_seed takes")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r}: expected True, False or None (on for CUDA)")
 
@@ -160,7 +164,8 @@ class ModelRunner:
         logger.info(self.summary())
 
     num_blocks = property(lambda self: self.cache.num_blocks)
-    max_concurrency = property(lambda self: self.num_blocks * self.config.block_size / self.max_model_len,
+    kv_capacity = property(lambda self: self.num_blocks * self.config.block_size, doc="Tokens the whole KV pool holds.")
+    max_concurrency = property(lambda self: self.kv_capacity / self.max_model_len,
                                doc="How many sequences of max_model_len tokens the KV pool holds at once.")
 
     def summary(self) -> str:

@@ -11,7 +11,7 @@ __all__ = ['MAX_STOPS', 'ACCEPTED', 'OpenAIModel', 'StreamOptions', 'only_accept
            'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
-import time, uuid
+import itertools, time, uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -75,6 +75,11 @@ class SamplingRequest(OpenAIModel):
 
     _accepted = field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")(classmethod(only_accepted))
 
+    @field_validator("n", "stream", "ignore_eos", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):  # OpenAI's schema lets these be null, meaning "the default"
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @field_validator("stream_options")
     @classmethod
     def _needs_stream(cls, v, info):  # `stream` is declared before `stream_options`, so it is in info.data
@@ -101,6 +106,7 @@ class CompletionRequest(SamplingRequest):
         return v
 
     _accepted_here = field_validator("echo", "suffix", "best_of")(classmethod(only_accepted))
+    _null_is_default_here = field_validator("echo", mode="before")(SamplingRequest._null_is_default.__func__)
 
 # %% ../chapters/12b_protocol.ipynb #1285e675
 class TextPart(OpenAIModel):
@@ -129,6 +135,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict | None = None
 
     _accepted_here = field_validator("tools", "tool_choice", "response_format")(classmethod(only_accepted))
+    _null_is_default_here = field_validator("logprobs", mode="before")(SamplingRequest._null_is_default.__func__)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -143,15 +150,21 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
-def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens") -> int:
-    "How many tokens a request may generate: its own limit, checked against what the prompt leaves of the context."
-    room = max_model_len - num_prompt_tokens
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        asked = "" if max_tokens is None else f" and {max_tokens} in the completion"
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                             f"{num_prompt_tokens + (max_tokens or 0)} tokens ({num_prompt_tokens} in the prompt{asked}). "
-                             f"Please reduce the length of the prompt or the {param}.", param)
-    return room if max_tokens is None else max_tokens
+def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens",
+                 prompt_param: str = "prompt", kv_capacity: int | None = None) -> int:
+    """How many tokens a request may generate: its own limit, or by default all that the prompt leaves. Checked
+    against the context and, when given, the tokens the whole KV cache holds (`kv_capacity`), with OpenAI's error text."""
+    limit = max_model_len if kv_capacity is None else min(max_model_len, kv_capacity)
+    room = limit - num_prompt_tokens
+    if room >= 1 and (max_tokens is None or max_tokens <= room):
+        return room if max_tokens is None else max_tokens
+    what = (f"This model's maximum context length is {max_model_len} tokens" if limit == max_model_len else
+            f"This server's KV cache holds {limit} tokens, fewer than the model's context of {max_model_len}")
+    asked = "" if max_tokens is None else f" and {max_tokens} in the completion"
+    too_long = room < 1  # the prompt alone fills it: blame the prompt, not max_tokens
+    raise InvalidRequest(f"{what}. However, you requested {num_prompt_tokens + (max_tokens or 0)} tokens "
+                         f"({num_prompt_tokens} in the {prompt_param}{asked}). Please reduce the length of the "
+                         f"{prompt_param if too_long else f'{prompt_param} or the {param}'}.", prompt_param if too_long else param)
 
 # %% ../chapters/12b_protocol.ipynb #3ee260f0
 def sampling_params(req: SamplingRequest, max_tokens: int) -> SamplingParams:
@@ -254,7 +267,7 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     if out.logprobs is None: return None
     lps = out.logprobs[start:end]
     tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    offsets = [text_offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=text_offset)) if tokens else []  # where each text starts
     top = [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top, "text_offset": offsets}
 

@@ -36,7 +36,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop = rank >= top_k[:, None]                                              # top-k
     probs = sorted_logits.masked_fill(drop, -math.inf).softmax(-1)             # renormalised over the top k
     before = probs.cumsum(-1) - probs                                          # mass of the more likely tokens
-    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)                  # top-p; 1 disables (cumsum rounding)
+    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1) & (rank > 0)     # top-p; 1 disables (cumsum rounding),
+    # and the best token always stays: a top_p below float32's smallest number reaches here as 0
     drop |= probs < min_p[:, None] * probs[:, :1]                              # min-p, relative to the best token
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
 

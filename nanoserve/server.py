@@ -48,11 +48,16 @@ def _param(loc) -> str | None:
     return name or None
 
 def validation_error(exc: RequestValidationError) -> JSONResponse:
-    "A 400 for the first problem FastAPI found in a request body."
-    first = exc.errors()[0]
+    "A 400 for the first field FastAPI found wrong in a request body, at its most specific error."
+    errors = exc.errors()
+    field = tuple(errors[0].get("loc", ()))[:2]  # ("body", the field)
+    # a union (content: str | list[TextPart]) fails once per branch; the deepest error says what is wrong in the branch meant
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field), key=lambda e: len(e.get("loc", ())))
     kind, loc, message = first["type"], tuple(first.get("loc", ())), first["msg"].removeprefix("Value error, ")
     if kind == "json_invalid": return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', message)}")
     if loc in ((), ("body",)):
+        if isinstance(first.get("input"), (bytes, str)):  # FastAPI reads a body as JSON only if its Content-Type says so
+            return error_response(400, "The request body was not read as JSON: send it with 'Content-Type: application/json'.")
         what = "missing" if kind == "missing" else "not a JSON object"
         return error_response(400, f"The request body is {what}: send a JSON object with the request's parameters.")
     param = _param(loc)
@@ -243,10 +248,10 @@ class ModelNotFound(LookupError):
     "A request names a model this server does not serve (404)."
 
 class OpenAIServer:
-    "What the route handlers share: the async engine, the served model's name, tokenizer and context length, the metrics."
+    "What the route handlers share: the async engine, the served model's name, tokenizer, context length and KV capacity, the metrics."
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.tokenizer, self.max_model_len, self.kv_capacity = engine.tokenizer, engine.max_model_len, engine.kv_capacity
         self.metrics = ServerMetrics(engine, model_name, self.max_model_len)
         self.created = int(time.time())
 
@@ -277,9 +282,10 @@ class OpenAIServer:
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
 
     async def start(self, ids: list, req, max_tokens: int | None, param: str, prompt_param: str):
-        "Queue a request (after checking its length against the context); its stream once the engine took it."
-        too_long = len(ids) >= self.max_model_len  # the prompt alone fills the context: blame the prompt, not max_tokens
-        budget = token_budget(max_tokens, len(ids), self.max_model_len, prompt_param if too_long else param)
+        "Queue a request (after checking its length against the context and the KV cache); its stream once the engine took it."
+        budget = token_budget(max_tokens, len(ids), self.max_model_len, param, prompt_param, self.kv_capacity)
+        if req.stop and self.tokenizer is None:
+            raise InvalidRequest("This model has no tokenizer, so stop strings cannot be matched: use stop_token_ids.", "stop")
         params = sampling_params(req, budget)
         try: return await self.engine.add_request(ids, params)
         except ValueError as e: raise InvalidRequest(str(e), prompt_param) from None  # what the engine refuses is the prompt
@@ -335,6 +341,10 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         return Response(status_code=499) if out is None else chat_response(rid, server.model_name, out, server.tokenizer)
 
 # %% ../chapters/12c_server.ipynb #4ce4db2c
+def _cause(e: Exception) -> str:
+    "Why, when an error was raised from another: FastAPI's 'error parsing the body' hides whether it was UTF-8 or depth."
+    return "" if e.__cause__ is None else f": {type(e.__cause__).__name__}: {e.__cause__}"
+
 def add_error_handlers(app: FastAPI):
     "Turn each kind of failure into its OpenAI error object."
     retry = {"Retry-After": "1"}
@@ -343,7 +353,7 @@ def add_error_handlers(app: FastAPI):
         InvalidRequest: lambda e: error_response(400, str(e), e.param),
         ValueError: lambda e: error_response(400, str(e)),
         ModelNotFound: lambda e: error_response(404, str(e), "model"),
-        HTTPException: lambda e: error_response(e.status_code, str(e.detail), headers=e.headers),
+        HTTPException: lambda e: error_response(e.status_code, str(e.detail) + _cause(e), headers=e.headers),
         EngineOverloaded: lambda e: error_response(503, f"The server is overloaded: {e}. Retry later.", headers=retry),
         EngineStopped: lambda e: error_response(503, f"The server is shutting down: {e}.", headers=retry),
         RequestFailed: lambda e: error_response(500, str(e)),
@@ -401,6 +411,8 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
     "Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn server (not started)."
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r}: expected 0 to 65535 (0: any free port)")
     if engine_process:
         from nanoserve.engine_process import EngineProcess  # chapter 12e, which builds on this one
         engine = EngineProcess(model, max_waiting, **engine_options)

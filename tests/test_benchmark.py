@@ -62,6 +62,16 @@ def test_bench_bad_engine_option_exits_2(capsys):
     assert e.value.code == 2 and "block_size=12" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [(["latency", "--batch-size", "0"], "batch_size=0"),
+                                           (["latency", "--num-iters", "0"], "num_iters=0"),
+                                           (["latency", "--output-len", "1"], "output_len=1"),
+                                           (["throughput", "--num-prompts", "0"], "num_prompts=0")])
+def test_bench_counts_below_one_exit_2(capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *flags, "--model", "/no/such/model"])  # refused before the model would load
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_transformers_continuous_batching_is_timed_to_the_last_token():
     "transformers' continuous batching on the CPU, tiny model: every request finishes and each output token is counted."
     requests = [([1, 2, 3], 4), ([5, 6], 3), ([7], 5)]

@@ -232,6 +232,11 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
         default_llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts\\[1\\] is a int"):
         default_llm.generate(["a", 5], use_tqdm=False)
+    for prompts, match in [(b"hi", "prompts is bytes"), (5, "prompts is a int"), (None, "prompts is a NoneType")]:
+        with pytest.raises(ValueError, match=match): default_llm.generate(prompts, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params is a dict"):
+        default_llm.generate([[1]], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match="got a NoneType"): engine.add_request(None, None)
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already running"): engine.add_request("dup", "Hi")
     engine.abort("dup")
@@ -243,7 +248,8 @@ def test_bad_engine_options():
         LLM(tiny_model_dir("llama"), max_num_seq=4)
     for kw, match in [(dict(block_size=12), "power of two"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                       (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(max_num_seqs=65536), "at most 65535 sequences"),
-                      (dict(num_kv_blocks=-1), "num_kv_blocks=-1")]:
+                      (dict(num_kv_blocks=-1), "num_kv_blocks=-1"), (dict(seed=2**70), "seed=1180591620717411303424"),
+                      (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization='0.5'"), (dict(enforce_eager="no"), "enforce_eager='no'")]:
         with pytest.raises(ValueError, match=match): EngineConfig(**kw)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         LLM(tiny_model_dir("llama"), max_model_len=10**6, device="cpu")

@@ -92,5 +92,13 @@ def test_prompt_beyond_context_is_refused():
     model = load_model(tiny_model_dir("llama"))  # max_position_embeddings = 512
     with pytest.raises(ValueError, match="exceeds the model's context of 512"):
         generate(model, NoText(), list(range(500)), SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="prompt_ids is empty"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         generate(model, NoText(), [], SamplingParams(max_tokens=2))
+    V = model.config.vocab_size
+    for bad, match in [([V], rf"in \[0, {V}\)"), ([-1], "got \\[-1\\]"), ([1.0, 2.0], "integers"), ("hello", "got a str")]:
+        with pytest.raises(ValueError, match=match):
+            generate(model, NoText(), bad, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="params must be a SamplingParams"):
+        generate(model, NoText(), [1], None)
+    assert generate(model, NoText(), torch.tensor([1, 2]), SamplingParams(max_tokens=2, temperature=0)).token_ids == \
+        generate(model, NoText(), [1, 2], SamplingParams(max_tokens=2, temperature=0)).token_ids  # a tensor of ids works

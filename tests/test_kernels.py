@@ -323,6 +323,32 @@ def test_bad_arguments_raise_value_errors(monkeypatch):
             call()
 
 
+@pytest.mark.skipif(not interpreting(), reason="values are checked only in the interpreter, where they are on the host")
+def test_bad_values_raise_value_errors_in_the_interpreter():
+    "In the interpreter a block id outside the pool would read outside it and kill the process; the wrappers refuse it first."
+    q, k_cache, v_cache, bt, lens, cu = paged_batch([20, 33], [1, 1], 4, 2, 64, 16, seed=11)
+    decode = lambda **kw: paged_decode_attention(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt,
+                                                           context_lens=lens, scale=0.125), **kw})
+    far = bt.clone(); far[1, 2] = k_cache.shape[0]  # the third block of a 33-token context, one past the pool
+    pad = bt.clone(); pad[1, 1] = -1  # padding inside the context
+    for message, kwargs in {"block ids a context uses": dict(block_tables=far), "got values from -1": dict(block_tables=pad),
+                            "context_lens must be in": dict(context_lens=lens + 64),
+                            "scale=tensor": dict(scale=torch.tensor(0.125)), "scale=nan": dict(scale=float("nan"))}.items():
+        with pytest.raises(ValueError, match=message):
+            decode(**kwargs)
+    prefill = lambda **kw: paged_prefill_attention(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt,
+                                                             context_lens=lens, cu_seqlens_q=cu, scale=0.125), **kw})
+    assert torch.equal(prefill(max_seqlen_q=1), prefill())
+    with pytest.raises(ValueError, match="shorter than the longest query"):
+        prefill(q=torch.cat([q, q]), cu_seqlens_q=cu * 2, max_seqlen_q=1)
+    with pytest.raises(ValueError, match="max_seqlen_q=-3"):
+        prefill(max_seqlen_q=-3)
+    with pytest.raises(ValueError, match="block ids a context uses"):
+        prefill(block_tables=far)
+    with pytest.raises(ValueError, match="slot_mapping values must be"):
+        store_kv(k_cache[0, :2], v_cache[0, :2], k_cache, v_cache, torch.tensor([0, k_cache.shape[0] * 16]))
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 16384) == 1  # 2048 programs fill an H100 without splitting
     assert choose_num_splits(64, 8, 4096) == 2

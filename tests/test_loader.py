@@ -103,11 +103,27 @@ def test_dtype_argument():
     assert m(torch.arange(5)).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype="):
         load_model(tiny_model_dir("llama"), dtype="int8")
+    with pytest.raises(ValueError, match="dtype='foo'"):  # the name given, not what it failed to become
+        load_model(tiny_model_dir("llama"), dtype="foo")
+
+
+@pytest.mark.parametrize("device, match", [("tpu", "not a device|'cpu' or 'cuda'"), (object(), "not a device"),
+                                           ("cuda:99", "no CUDA device|CUDA device\\(s\\)")])
+def test_bad_devices_are_value_errors(device, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(tiny_model_dir("llama"), device=device)
+
+
+def test_cuda_without_a_gpu_is_a_value_error():
+    if torch.cuda.is_available(): pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        load_model(tiny_model_dir("llama"), device="cuda")
 
 
 @pytest.mark.parametrize("bad, error, match", [
     ("no/such/dir/at/all", ValueError, "neither a local directory"),
     ("Qwen/Qwen3-0.6B", RuntimeError, "could not download 'Qwen/Qwen3-0.6B'.*default model"),
+    ("no_such_dir/model", RuntimeError, "no local directory 'no_such_dir/model' either"),
 ])
 def test_bad_model_arguments(bad, error, match):
     with pytest.raises(error, match=match):

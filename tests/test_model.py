@@ -70,6 +70,15 @@ def test_bad_configs_raise_value_error_naming_the_field(change, message):
         ModelConfig.from_dict(d)
 
 
+def test_a_config_missing_a_key_or_not_json_names_it(tmp_path):
+    with pytest.raises(ValueError, match="lacks hidden_size"):
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "intermediate_size": 16,
+                               "num_hidden_layers": 1, "num_attention_heads": 4})
+    (tmp_path / "config.json").write_text("{'vocab_size': 10}")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        ModelConfig.from_json(tmp_path)
+
+
 def test_input_must_be_one_sequence():
     model = CausalLM(ModelConfig.from_json(tiny_model_dir("qwen3")))
     with pytest.raises(ValueError, match="1-D"):

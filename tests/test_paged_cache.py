@@ -222,7 +222,7 @@ def test_paged_attention_errors():
     with pytest.raises(ValueError, match="v_cache"):
         call(v_cache=vc[:-1])
     bad = bt.clone(); bad[specs.index((9, 9)), 1] = -1
-    with pytest.raises(ValueError, match="valid block ids"):
+    with pytest.raises(ValueError, match="block ids a context uses must be in"):
         call(block_tables=bad)
 
 

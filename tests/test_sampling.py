@@ -140,6 +140,11 @@ def test_filters_always_keep_the_best_token():
     out = filter_logits(logits, torch.ones(5, dtype=torch.long), torch.full((5,), 1e-6), torch.ones(5))
     assert torch.equal(torch.isfinite(out).sum(-1), torch.ones(5, dtype=torch.long))
     assert torch.equal(out.argmax(-1), logits.argmax(-1))
+    for top_p in (1e-46, 0.0):  # below float32's smallest number the tensor holds 0: the best token must still stay
+        t = SamplingTensors.from_params([SamplingParams(top_p=1e-46)] * 5, 100, "cpu")
+        out = filter_logits(logits, t.top_k, torch.full((5,), top_p), t.min_p)
+        assert torch.equal(torch.isfinite(out).sum(-1), torch.ones(5, dtype=torch.long))
+    assert sample(logits, [SamplingParams(top_p=1e-46, seed=0)] * 5).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_larger_than_vocab_and_disabled_values():

@@ -318,7 +318,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     (C, {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
     (C, {"prompt": [1, 2, 10**6]}, 400, "prompt"),
-    (C, {"prompt": [True, 5]}, 400, "prompt"),
+    (C, {"prompt": [True, 5]}, 400, "prompt[0]"),
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": "hi", "stream": 5}, 400, "stream"),
     (C, {"prompt": "hi", "stream_options": "x"}, 400, "stream_options"),
@@ -338,6 +338,11 @@ BAD_REQUESTS = [
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, 400, "messages"),
     (CHAT_PATH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT_PATH, {"messages": CHAT, "model": "gpt-5"}, 404, "model"),
+    # a union's deepest error names the part at fault, not "should be a valid string"
+    (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0].type"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
+    (C, {"prompt": [1.0]}, 400, "prompt[0]"),
 ]
 
 
@@ -350,16 +355,61 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
+def test_null_means_the_default(url):
+    "OpenAI's schema lets these fields be null, meaning the default."
+    for path, body in ((C, {"prompt": "hi", "n": None, "stream": None, "echo": None, "ignore_eos": None, "logprobs": None}),
+                       (CHAT_PATH, {"messages": CHAT, "n": None, "stream": None, "logprobs": None})):
+        r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_too_long_prompt_is_named_once_in_the_message(url):
+    r = httpx.post(f"{url}{CHAT_PATH}", json={"model": MODEL, "messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]})
+    assert r.json()["error"]["message"].endswith("in the messages). Please reduce the length of the messages.")
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999, "80", True])
+def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(port):
+    with pytest.raises(ValueError, match="expected 0 to 65535"):
+        make_server("/no/such/model", port=port)  # the model would fail to load, with another error
+
+
+@pytest.fixture(scope="module")
+def small_cache(tiny_chat_model):
+    "A server whose KV cache (8 blocks of 16: 128 tokens) holds less than its context of 512 tokens."
+    server = make_server(str(tiny_chat_model), port=0, max_model_len=512, num_kv_blocks=8, device="cpu", log_level="warning")
+    with run_in_thread(server) as url: yield url
+
+
+def test_a_kv_cache_smaller_than_the_context_caps_the_default_budget(small_cache):
+    "Without max_tokens a request generates what the cache leaves, not what the context leaves; asking for more is a 400."
+    for path, body in ((C, {"prompt": "hi", "max_tokens": None}), (CHAT_PATH, {"messages": CHAT})):
+        r = httpx.post(f"{small_cache}{path}", json={**body, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] == 128 and r.json()["choices"][0]["finish_reason"] == "length"
+    error = httpx.post(f"{small_cache}{C}", json={"prompt": "hi", "max_tokens": 200}).json()["error"]
+    assert error["param"] == "max_tokens" and "KV cache holds 128 tokens" in error["message"]
+    assert httpx.post(f"{small_cache}{C}", json={"prompt": [5] * 200}).json()["error"]["param"] == "prompt"
+
+
 @pytest.mark.parametrize("content,status,what", [
     (b"{'prompt': 'hi'", 400, "not valid JSON"),
     (b"[1, 2, 3]", 400, "not a JSON object"),
     (b"", 400, "missing"),
     (b'{"prompt": "\\ud800 lone surrogate"}', 400, "Unicode"),
     (b'{"prompt": "hi", "model": "\\ud800"}', 404, "does not exist"),
+    (b'{"prompt": "\xff hi"}', 400, "UnicodeDecodeError"),  # FastAPI's "error parsing the body", with its cause
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "RecursionError"),
 ])
 def test_malformed_bodies(url, content, status, what):
     r = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == status and what in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("headers", [{"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}, {}])
+def test_a_json_body_without_its_content_type_is_told_so(url, headers):
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}', headers=headers)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_unknown_paths_and_methods(url):
