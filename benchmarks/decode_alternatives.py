@@ -4,7 +4,8 @@ Issue 4 asks the paged decode kernel never to be slower than torch's scaled_dot_
 batch >= 8. After the tiles, grid order and head-major blocks of chapters 9 and 13, three gaps remain: batch 8 x
 context 512 (a fixed ~1 us per call), batch 64 (the 2-way split) and, by 1-2 %, batch 256. This script holds the
 designs that were tried against them, so that each result in benchmarks/results/performance/decode_alternatives_h100.json
-can be reproduced:
+can be reproduced (it was measured at commit 3c03a90; since then these kernels end with the library's
+_store_decode_result, the same stores moved into a shared function):
 
   stream-K     a fixed grid of programs (SMs x programs per SM) divides the flat list of tiles (sequence, KV head,
                BLOCK_N keys) into equal ranges; an item (sequence, KV head) finished inside one program is written as

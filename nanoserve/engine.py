@@ -230,7 +230,7 @@ def _as_prompt_list(prompts) -> list:
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts): return [prompts]  # one tokenized prompt
     for i, p in enumerate(prompts):
-        if not isinstance(p, (str, list, tuple)):
+        if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist"):  # tensors and arrays of ids are prompts too
             raise ValueError(f"prompts[{i}] is a {type(p).__name__}: each prompt must be a string or a list of token ids")
     return prompts
 

@@ -7,7 +7,7 @@ __all__ = ['KVCache', 'forward_cached', 'best_seconds', 'GenerationStats', 'Comp
            'generate']
 
 # %% ../chapters/07_kv_cache.ipynb #9fbce959
-import sys, time
+import operator, sys, time
 from dataclasses import dataclass, field
 
 import torch
@@ -102,9 +102,10 @@ def prompt_token_ids(ids, vocab_size: int) -> list:
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)): ids = ids.tolist()  # a tensor or a numpy array
     if not isinstance(ids, (list, tuple)): raise ValueError(f"a prompt's token ids must be a list of integers; got a {type(ids).__name__}")
     if not ids: raise ValueError("the prompt is empty: it needs at least one token")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    ints = [None if isinstance(t, bool) or not hasattr(type(t), "__index__") else operator.index(t) for t in ids]  # numpy ints too
+    bad = [t for t, i in zip(ids, ints) if i is None or not 0 <= i < vocab_size]
     if bad: raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
-    return list(ids)
+    return ints
 
 @torch.no_grad()
 def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: SamplingParams, on_text=None) -> Completion:

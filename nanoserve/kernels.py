@@ -121,8 +121,9 @@ def _check_values(k_cache, block_tables, context_lens, cu_seqlens_q=None, num_qu
     check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     if cu_seqlens_q is None: return
     q_lens = cu_seqlens_q.diff()
-    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_queries or (q_lens < 0).any() or (q_lens > context_lens).any():
-        raise ValueError(f"cu_seqlens_q must rise from 0 to T={num_queries}, by at most each context_len; got {cu_seqlens_q.tolist()[:9]}")
+    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] > num_queries or (q_lens < 0).any() or (q_lens > context_lens).any():
+        raise ValueError(f"cu_seqlens_q must rise from 0 to at most T={num_queries} (rows past it are padding), by at most each "
+                         f"context_len; got {cu_seqlens_q.tolist()[:9]}")
     if max_seqlen_q is not None and q_lens.numel() and max_seqlen_q < q_lens.max():
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query, {q_lens.max().item()} tokens")
 

@@ -75,6 +75,7 @@ def _rope(d: dict) -> tuple:
 @classmethod
 def _from_dict(cls, d: dict) -> "ModelConfig":
     "A ModelConfig from the parsed config.json of a checkpoint (transformers 4.x or 5.x keys)."
+    if not isinstance(d, dict): raise ValueError(f"the model's config must be a JSON object; got a {type(d).__name__}")
     arch = _architecture(d)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

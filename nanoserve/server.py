@@ -48,15 +48,17 @@ def _param(loc) -> str | None:
     return name or None
 
 def validation_error(exc: RequestValidationError) -> JSONResponse:
-    "A 400 for the first field FastAPI found wrong in a request body, at its most specific error."
+    "A 400 for the first problem FastAPI found in a request body; in a union, its branch's most specific error."
     errors = exc.errors()
-    field = tuple(errors[0].get("loc", ()))[:2]  # ("body", the field)
-    # a union (content: str | list[TextPart]) fails once per branch; the deepest error says what is wrong in the branch meant
-    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field), key=lambda e: len(e.get("loc", ())))
+    loc = tuple(errors[0].get("loc", ()))
+    union = next((i for i, p in enumerate(loc) if isinstance(p, str) and UNION_TAG.fullmatch(p)), len(loc))
+    # a union (content: str | list[TextPart]) fails once per branch, the str branch first: the deepest error of any
+    # branch at that place says what is wrong in the branch the client meant
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:union] == loc[:union]), key=lambda e: len(e.get("loc", ())))
     kind, loc, message = first["type"], tuple(first.get("loc", ())), first["msg"].removeprefix("Value error, ")
     if kind == "json_invalid": return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', message)}")
     if loc in ((), ("body",)):
-        if isinstance(first.get("input"), (bytes, str)):  # FastAPI reads a body as JSON only if its Content-Type says so
+        if isinstance(first.get("input"), bytes):  # FastAPI reads a body as JSON only if its Content-Type says so
             return error_response(400, "The request body was not read as JSON: send it with 'Content-Type: application/json'.")
         what = "missing" if kind == "missing" else "not a JSON object"
         return error_response(400, f"The request body is {what}: send a JSON object with the request's parameters.")

@@ -109,6 +109,7 @@ def test_abort_frees_blocks_in_the_engine_process(remote):
 
 
 def test_refusals_and_overload(remote):
+    assert (remote.max_model_len, remote.kv_capacity) == (256, 96 * 16)  # from the ready message: what the server checks against
     async def main():
         with pytest.raises(ValueError, match="max_model_len"): await remote.add_request([1] * 300, SamplingParams(max_tokens=4))
         remote.max_waiting = 1

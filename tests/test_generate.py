@@ -102,3 +102,6 @@ def test_prompt_beyond_context_is_refused():
         generate(model, NoText(), [1], None)
     assert generate(model, NoText(), torch.tensor([1, 2]), SamplingParams(max_tokens=2, temperature=0)).token_ids == \
         generate(model, NoText(), [1, 2], SamplingParams(max_tokens=2, temperature=0)).token_ids  # a tensor of ids works
+    import numpy as np
+    assert generate(model, NoText(), list(np.array([1, 2])), SamplingParams(max_tokens=2, temperature=0)).token_ids == \
+        generate(model, NoText(), [1, 2], SamplingParams(max_tokens=2, temperature=0)).token_ids  # and numpy's integers

@@ -74,6 +74,8 @@ def test_a_config_missing_a_key_or_not_json_names_it(tmp_path):
     with pytest.raises(ValueError, match="lacks hidden_size"):
         ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "intermediate_size": 16,
                                "num_hidden_layers": 1, "num_attention_heads": 4})
+    with pytest.raises(ValueError, match="must be a JSON object; got a list"):
+        ModelConfig.from_dict([1, 2])
     (tmp_path / "config.json").write_text("{'vocab_size': 10}")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         ModelConfig.from_json(tmp_path)

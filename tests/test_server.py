@@ -343,6 +343,7 @@ BAD_REQUESTS = [
      "messages[0].content[0].type"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     (C, {"prompt": [1.0]}, 400, "prompt[0]"),
+    (CHAT_PATH, {"messages": [{"content": "hi"}, {"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].role"),
 ]
 
 
@@ -398,6 +399,7 @@ def test_a_kv_cache_smaller_than_the_context_caps_the_default_budget(small_cache
     (b"", 400, "missing"),
     (b'{"prompt": "\\ud800 lone surrogate"}', 400, "Unicode"),
     (b'{"prompt": "hi", "model": "\\ud800"}', 404, "does not exist"),
+    (b'"a JSON string"', 400, "not a JSON object"),
     (b'{"prompt": "\xff hi"}', 400, "UnicodeDecodeError"),  # FastAPI's "error parsing the body", with its cause
     (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "RecursionError"),
 ])
