@@ -149,10 +149,9 @@ def environment() -> dict:
             "dirty": (os.environ["GIT_DIRTY"] == "1") if "GIT_DIRTY" in os.environ else bool(git("status", "--porcelain", "--", "nanoserve"))}
 
 # %% ../chapters/11c_benchmark.ipynb #0515046b
-def check_counts(**counts):
-    "Raise ValueError naming the first count that is not an integer of at least 1 (at least 2 for output_len)."
+def check_counts(low: int = 1, **counts):
+    "Raise ValueError naming the first count that is not an integer of at least `low`."
     for name, n in counts.items():
-        low = 2 if name == "output_len" else 1  # a time per output token needs a second token
         if isinstance(n, bool) or not isinstance(n, int) or n < low: raise ValueError(f"{name}={n!r}: expected an integer >= {low}")
 
 def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 1024), output_len=(100, 1024), seed: int = 0,
@@ -185,7 +184,8 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
 def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, batch_size: int = 1, num_iters: int = 3,
                       seed: int = 0, **engine_options) -> dict:
     "Time generating `output_len` tokens for `batch_size` prompts of `input_len` random tokens; the best of `num_iters`."
-    check_counts(input_len=input_len, output_len=output_len, batch_size=batch_size, num_iters=num_iters)
+    check_counts(input_len=input_len, batch_size=batch_size, num_iters=num_iters)
+    check_counts(2, output_len=output_len)  # a time per output token needs a second token
     llm = LLM(model, seed=seed, **engine_options)
     cfg, runner = llm.llm_engine.model.config, llm.llm_engine.runner
     prompts = [ids for ids, _ in random_requests(batch_size, (input_len, input_len), (1, 1), cfg.vocab_size, seed)]

@@ -102,9 +102,11 @@ def prompt_token_ids(ids, vocab_size: int) -> list:
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)): ids = ids.tolist()  # a tensor or a numpy array
     if not isinstance(ids, (list, tuple)): raise ValueError(f"a prompt's token ids must be a list of integers; got a {type(ids).__name__}")
     if not ids: raise ValueError("the prompt is empty: it needs at least one token")
-    ints = [None if isinstance(t, bool) or not hasattr(type(t), "__index__") else operator.index(t) for t in ids]  # numpy ints too
-    bad = [t for t, i in zip(ids, ints) if i is None or not 0 <= i < vocab_size]
-    if bad: raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    if all(type(t) is int for t in ids): ints = list(ids)  # plain Python ints, the common case: nothing to convert
+    else: ints = [None if isinstance(t, bool) or not hasattr(type(t), "__index__") else operator.index(t) for t in ids]  # numpy ints
+    if None in ints or min(ints) < 0 or max(ints) >= vocab_size:
+        bad = [t for t, i in zip(ids, ints) if i is None or not 0 <= i < vocab_size]
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     return ints
 
 @torch.no_grad()
