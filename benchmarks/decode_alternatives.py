@@ -16,10 +16,16 @@ _store_decode_result, the same stores moved into a shared function):
   blocks       the library kernel on blocks of 16..256 tokens, each table random (as the engine's) or in order (a
                sequence's blocks contiguous): how much of the gap is the scatter.
   deep         the library kernel at batch 8 with every tile of a split in flight at once (more pipeline stages).
+               Triton gives a load whose addresses come from another load (the block table) (num_stages - 1) // 2
+               buffers, so 5 stages hold two tiles, 9 hold four.
+  TMA          keys and values copied by the Hopper tensor-memory accelerator: a host tensor descriptor over the
+               head-major pool seen as (blocks * K * block_size, D) rows, one (block_size, D) box per block and head,
+               so no thread computes a gather address; BLOCKS_PER_TILE boxes per iteration.
 
 Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 flushed, as paged_attention.py.
 
     python benchmarks/decode_alternatives.py --out decode_alternatives.json        # ~4 min on an H100
+    python benchmarks/decode_alternatives.py --designs tma deep                     # some designs only
     TRITON_INTERPRET=1 python benchmarks/decode_alternatives.py --cpu-check        # the kernels against the library's
 
 Progress goes to stderr; stdout gets only the JSON.
@@ -37,8 +43,8 @@ try:
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 import nanoserve.kernels as kernels
-from nanoserve.kernels import (_decode_reduce_kernel, _dot_precision, _follow_early, _load_kv_tile, _pdl, _store_decode_result,
-                               interpreting, paged_decode_attention)
+from nanoserve.kernels import (_decode_reduce_kernel, _dot_precision, _follow_early, _load_kv_tile, _online_softmax_step, _pdl,
+                               _store_decode_result, interpreting, paged_decode_attention)
 
 # ---- the online-softmax step, safe for a tile with no valid key (an empty context or an empty split)
 
@@ -267,6 +273,85 @@ def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, o
     return out
 
 
+# ---- TMA: one tensor-descriptor box per (block, KV head)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _tma_decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+                       qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, num_splits,
+                       H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, SPLIT: tl.constexpr,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _follow_early(PDL)
+    kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BLOCK_N: tl.constexpr = BLOCKS_PER_TILE * BLOCK_SIZE
+    S = tl.load(lens_ptr + b)
+    split_len = ((S + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # as the library kernel
+    start = split * split_len
+    end = tl.minimum(start + split_len, S)
+    offs_g, offs_d, offs_j = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_SIZE)
+    heads = kh * G + offs_g
+    g_mask = offs_g < G
+    gd_mask = g_mask[:, None] & (offs_d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, D], 0.0, tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        for j in tl.static_range(BLOCKS_PER_TILE):
+            first = n0 + j * BLOCK_SIZE  # tiles start on block boundaries, so this box is one whole block
+            block = tl.load(bt_row + first // BLOCK_SIZE, mask=first < end, other=0)
+            row = (block * K + kh) * BLOCK_SIZE  # head kh's rows of the block in the (blocks * K * block_size, D) pool
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            valid = (first + offs_j < end)[None, :]
+            acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION)
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
+                         stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
+
+
+def pool_rows(cache: torch.Tensor) -> torch.Tensor:
+    "A head-major pool (blocks, block_size, K, D) (PagedKVCache's) as the (blocks * K * block_size, D) rows a descriptor reads."
+    n, bs, K, D = cache.shape
+    if not cache.transpose(1, 2).is_contiguous():
+        raise ValueError(f"TMA decode needs a head-major pool (blocks, K, block_size, D) underneath; strides {cache.stride()}")
+    return cache.as_strided((n * K * bs, D), (D, 1))
+
+
+def tma_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, tile=(4, 4, 5), num_splits=None):
+    "Decode attention with the library's splits and merge; tile = (blocks per iteration, num_warps, num_stages)."
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    _, block_size, K, D = k_cache.shape
+    B, H, _ = q.shape
+    out = torch.empty_like(q) if out is None else out
+    if num_splits is None:
+        num_splits = kernels.choose_num_splits(B, K, block_tables.shape[1] * block_size, kernels._num_sms(q.device))
+    k_desc = TensorDescriptor.from_tensor(pool_rows(k_cache), [block_size, D])
+    v_desc = TensorDescriptor.from_tensor(pool_rows(v_cache), [block_size, D])
+    pdl = _pdl(q.device)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    blocks_per_tile, num_warps, num_stages = tile
+    _tma_decode_kernel[(K, B, num_splits)](
+        q, k_desc, v_desc, block_tables, context_lens, out, part_out, part_m, part_l,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        num_splits, H=H, K=K, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_SIZE=block_size,
+        BLOCKS_PER_TILE=blocks_per_tile, SPLIT=num_splits > 1, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
+                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=D,
+                                      PDL=pdl, launch_pdl=pdl)
+    return out
+
+
 # ---- checks and measurements
 
 
@@ -275,7 +360,8 @@ def cpu_check() -> dict:
     if not interpreting():
         sys.exit("--cpu-check needs TRITON_INTERPRET=1 set before triton is imported")
     torch.manual_seed(0)
-    worst = {"stream-K": 0.0, "interleaved": 0.0}
+    worst = {"stream-K": 0.0, "interleaved": 0.0, "TMA": 0.0}
+    head_major = lambda c: c.transpose(1, 2).contiguous().transpose(1, 2)  # same values, PagedKVCache's storage order
     for (K, G, D, bs), lens in itertools.product([(2, 4, 64, 16), (1, 3, 32, 32)], [[1, 15, 16, 17, 100, 0, 33], [300]]):
         B, nb = len(lens), max(1, max(triton.cdiv(n, bs) for n in lens))
         k_cache, v_cache = torch.randn(B * nb + 2, bs, K, D), torch.randn(B * nb + 2, bs, K, D)
@@ -288,11 +374,15 @@ def cpu_check() -> dict:
         for peel in (True, False):
             got = interleaved_decode(q, k_cache, v_cache, tables, context_lens, D**-0.5, peel=peel)
             worst["interleaved"] = max(worst["interleaved"], (got - ref).abs().max().item())
+        for tile, splits in [((1, 4, 2), None), ((2, 4, 5), 3), ((4, 2, 3), 1)]:
+            got = tma_decode(q, head_major(k_cache), head_major(v_cache), tables, context_lens, D**-0.5, tile=tile,
+                             num_splits=splits)
+            worst["TMA"] = max(worst["TMA"], (got - ref).abs().max().item())
     return worst
 
 
-def measure(models, cells, log) -> list:
-    "Per (model, B, S): the library kernel, stream-K, interleaved, deep pipelines, block sizes and order, and SDPA (us)."
+def measure(models, cells, designs, log) -> list:
+    "Per (model, B, S): the library kernel, the chosen designs (stream-K, interleaved, deep, TMA, blocks) and SDPA (us)."
     import paged_attention as pa
     us = lambda fn: round(pa.bench(pa.graphed(fn))["ms"] * 1e3, 2)
     rows = []
@@ -303,28 +393,41 @@ def measure(models, cells, log) -> list:
         ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale).float()
         sms = kernels._num_sms(q.device)
         runs = {"library": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)}
-        for tile, pps in itertools.product(STREAM_K_TILES[D], (2, 3)):
-            runs[f"stream-K/n{tile[0]}w{tile[1]}s{tile[2]}/{pps} per SM"] = (
-                lambda tile=tile, pps=pps: stream_k_decode(q, k_cache, v_cache, tables, lens, scale, out, tile, pps * sms))
-        runs["interleaved"] = lambda: interleaved_decode(q, k_cache, v_cache, tables, lens, scale, out, peel=False)
-        runs["interleaved, peeled"] = lambda: interleaved_decode(q, k_cache, v_cache, tables, lens, scale, out)
-        if B == 8 and S == 512:
-            for splits, tile in DEEP:
+        if "stream-K" in designs:
+            for tile, pps in itertools.product(STREAM_K_TILES[D], (2, 3)):
+                runs[f"stream-K/n{tile[0]}w{tile[1]}s{tile[2]}/{pps} per SM"] = (
+                    lambda tile=tile, pps=pps: stream_k_decode(q, k_cache, v_cache, tables, lens, scale, out, tile, pps * sms))
+        if "interleaved" in designs:
+            runs["interleaved"] = lambda: interleaved_decode(q, k_cache, v_cache, tables, lens, scale, out, peel=False)
+            runs["interleaved, peeled"] = lambda: interleaved_decode(q, k_cache, v_cache, tables, lens, scale, out)
+        if "deep" in designs and B == 8 and S == 512:
+            for splits, tile in DEEP[D]:
                 runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
                     _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
+        if "TMA" in designs:
+            for tile in TMA_TILES[D]:
+                runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
+                    lambda tile=tile: tma_decode(q, k_cache, v_cache, tables, lens, scale, out, tile))
         runs["library again"] = runs["library"]
-        row = {"model": model, "batch": B, "context": S, "us": {}, "max_abs_error": {}}
+        row = {"model": model, "batch": B, "context": S, "us": {}, "max_abs_error": {}, "failed": {}}
+        def time_it(name, fn):
+            try:
+                fn()
+                row["max_abs_error"][name] = (out.float() - ref).abs().max().item()
+                row["us"][name] = us(fn)
+            except Exception as e:  # a tile that does not fit (shared memory) is reported, not fatal
+                row["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log(f"  {name} failed: {row['failed'][name]}")
         for name, fn in runs.items():
-            fn()
-            row["max_abs_error"][name] = (out.float() - ref).abs().max().item()
-            row["us"][name] = us(fn)
-        order = torch.arange(tables.numel(), device=tables.device, dtype=torch.int32).view_as(tables)
-        row["us"]["library/blocks in order"] = us(lambda: paged_decode_attention(q, k_cache, v_cache, order, lens, scale, out=out))
+            time_it(name, fn)
+        if "blocks" in designs:
+            order = torch.arange(tables.numel(), device=tables.device, dtype=torch.int32).view_as(tables)
+            row["us"]["library/blocks in order"] = us(lambda: paged_decode_attention(q, k_cache, v_cache, order, lens, scale, out=out))
         k4, v4 = pa.contiguous_kv(k_cache, tables, S), pa.contiguous_kv(v_cache, tables, S)
         del k_cache, v_cache
         row["sdpa_us"] = min(us(pa.sdpa_call(q[:, :, None], k4, v4, scale, pa.sdpa_backends()[n])) for n in ("default", "cudnn"))
         del k4, v4
-        for bs in BLOCK_SIZES:
+        for bs in BLOCK_SIZES if "blocks" in designs else ():
             qb, kb, vb, tb, lb = pa.paged_inputs(B, S, H, K, D, bs)
             row["us"][f"library/blocks of {bs}"] = us(lambda: paged_decode_attention(qb, kb, vb, tb, lb, scale))
             del qb, kb, vb, tb, lb
@@ -346,7 +449,13 @@ def _with_tile(tile, fn):
 
 
 STREAM_K_TILES = {64: [(128, 4, 3), (64, 2, 3)], 128: [(64, 4, 3), (64, 4, 2)]}  # the best of a wider screen
-DEEP = [(1, (128, 4, 5)), (1, (64, 4, 6)), (2, (128, 4, 5)), (2, (64, 4, 6)), (4, (128, 4, 3))]
+DEEP_AT_3C03A90 = [(1, (128, 4, 5)), (1, (64, 4, 6)), (2, (128, 4, 5)), (2, (64, 4, 6)), (4, (128, 4, 3))]
+DEEP = {  # (splits, tile) at batch 8 x context 512: 9 stages hold four tiles (2-3 for D=128, as shared memory allows)
+    64: DEEP_AT_3C03A90 + [(1, (128, 4, 9)), (1, (128, 8, 9)), (1, (64, 2, 9)), (2, (128, 4, 7)), (2, (64, 4, 9))],
+    128: DEEP_AT_3C03A90 + [(1, (64, 4, 9)), (1, (128, 4, 7)), (1, (128, 8, 7)), (2, (64, 4, 9)), (2, (128, 4, 5))]}
+TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (blocks per iteration, warps, stages)
+             128: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 3)]}
+DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks")
 BLOCK_SIZES = (32, 64, 256)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 
@@ -356,6 +465,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path)
     ap.add_argument("--models", nargs="+", default=["Llama-3.2-1B", "Qwen3-0.6B"])
     ap.add_argument("--cpu-check", action="store_true", help="correctness only, TRITON_INTERPRET=1, float32")
+    ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS, help="default: all")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     if args.cpu_check:
@@ -369,7 +479,7 @@ def main(argv=None):
            "versions": {"torch": torch.__version__, "triton": triton.__version__},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            **pa.git_commit(), "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed; microseconds",
-           "rows": measure(args.models, CELLS, log)}
+           "designs": args.designs, "rows": measure(args.models, CELLS, args.designs, log)}
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
     text = json.dumps(res, indent=1)
     if args.out: args.out.write_text(text + "\n")

@@ -63,7 +63,8 @@ DEVICE = "cuda"
 MODELS = {"Llama-3.2-1B": (32, 8, 64), "Qwen3-0.6B": (16, 8, 128)}  # H, K, D
 BATCHES, CONTEXTS = (8, 64, 256), (512, 4096, 16384)
 BLOCK_SIZE = 16
-TILES = list(itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))  # (BLOCK_N, num_warps, num_stages)
+BLOCKS_N, NUM_WARPS, NUM_STAGES = (16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)  # the default sweep
+TILES = list(itertools.product(BLOCKS_N, NUM_WARPS, NUM_STAGES))  # (BLOCK_N, num_warps, num_stages)
 SPLITS = (1, 2, 4)  # swept at the best tiles, besides the default heuristic
 # (blocks, block_size, K, D) and head-major (blocks, K, block_size, D); "hf"/"hmhf": the same caches, the KV heads of one
 # sequence launched side by side (grid (K, B, splits) instead of (B, K, splits)), so they read each block together
@@ -517,7 +518,7 @@ class Sweep:
         self.fused_ok = {}  # (model, tile) -> bool, checked lazily
         self.check_data = {}
         self.n_timings = {"screen": 0, "full": 0}
-        self.tiles = [t for t in TILES if (args.block_n is None or t[0] in args.block_n)]
+        self.tiles = list(itertools.product(args.block_n or BLOCKS_N, args.num_warps, args.num_stages))
         self.layouts = tuple(args.layouts)
         self.rows = []
 
@@ -776,6 +777,10 @@ def main(argv=None):
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     p.add_argument("--block-n", nargs="+", type=int, help="only these BLOCK_N (default 16 32 64 128)")
+    p.add_argument("--num-warps", nargs="+", type=int, default=list(NUM_WARPS), help="default %(default)s")
+    p.add_argument("--num-stages", nargs="+", type=int, default=list(NUM_STAGES), help="default %(default)s; a load "
+                   "whose addresses come from the block table gets (num_stages - 1) // 2 buffers (at least 1) from "
+                   "Triton's pipeliner, so 5+ is where a tile gets a second")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                    help="cache layouts / grid orders to sweep (default all: %(default)s)")
     p.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget: past it, later configurations "

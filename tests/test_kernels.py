@@ -516,7 +516,7 @@ def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(chec
 
 @pytest.mark.skipif(not interpreting(), reason="the check runs in the interpreter, in float32")
 def test_decode_designs_not_adopted_still_match_the_kernel():
-    "benchmarks/decode_alternatives.py (stream-K, interleaved splits) computes what paged_decode_attention does, so its timings compare like with like."
+    "benchmarks/decode_alternatives.py (stream-K, interleaved splits, TMA) computes what paged_decode_attention does, so its timings compare like with like."
     import importlib.util
     from pathlib import Path
     path = Path(__file__).parent.parent / "benchmarks" / "decode_alternatives.py"
