@@ -25,7 +25,8 @@ _store_decode_result, the same stores moved into a shared function):
 Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 flushed, as paged_attention.py.
 
     python benchmarks/decode_alternatives.py --out decode_alternatives.json        # ~4 min on an H100
-    python benchmarks/decode_alternatives.py --designs tma deep                     # some designs only
+    python benchmarks/decode_alternatives.py --designs TMA deep                     # some designs only
+    python benchmarks/decode_alternatives.py --buffers      # num_stages -> buffers Triton gives a tile (no GPU needed)
     TRITON_INTERPRET=1 python benchmarks/decode_alternatives.py --cpu-check        # the kernels against the library's
 
 Progress goes to stderr; stdout gets only the JSON.
@@ -439,6 +440,30 @@ def measure(models, cells, designs, log) -> list:
     return rows
 
 
+def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4) -> dict:
+    "num_stages -> how many (BLOCK_N, D) key buffers Triton's pipeliner gives the library kernel, compiled for sm_90 (no GPU needed)."
+    import re
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = kernels._decode_kernel
+    ptrs = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "bt_ptr", "lens_ptr"}
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i32",
+             "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32"}
+    constexprs = dict(H=32, G=4, D=head_dim, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=False,
+                      UPCAST=False, PRECISION="tf32", PDL=False)
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    # as at a launch on the engine's pools: pointers and strides are multiples of 16 (stride_bt is not specialized)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name in ptrs or name.startswith("stride_") and name != "stride_bt"}
+    found = {}
+    for num_stages in stages:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ttgir"]
+        shapes = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{block_n}x{head_dim}xbf16", ttgir)
+        found[num_stages] = int(shapes[0]) if shapes else 0  # 0: loaded straight into registers
+    return found
+
+
 def _with_tile(tile, fn):
     "Run fn with nanoserve.kernels.decode_tile forced to `tile`."
     saved, kernels.decode_tile = kernels.decode_tile, lambda programs_per_sm, head_dim: tile
@@ -466,8 +491,14 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["Llama-3.2-1B", "Qwen3-0.6B"])
     ap.add_argument("--cpu-check", action="store_true", help="correctness only, TRITON_INTERPRET=1, float32")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS, help="default: all")
+    ap.add_argument("--buffers", action="store_true", help="print how many key buffers each num_stages gets (compiles "
+                    "for sm_90; no GPU needed) and exit")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
+    if args.buffers:
+        print(json.dumps({"triton": triton.__version__, "kernel": "_decode_kernel, BLOCK_N 128, D 64, 4 warps, sm_90",
+                          "num_stages -> key buffers": pipeline_buffers()}))
+        return
     if args.cpu_check:
         worst = cpu_check()
         log(f"max abs error against the library kernel: {worst}")

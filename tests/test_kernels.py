@@ -525,3 +525,15 @@ def test_decode_designs_not_adopted_still_match_the_kernel():
     spec.loader.exec_module(module)
     worst = module.cpu_check()
     assert max(worst.values()) < 1e-4, worst
+
+
+def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stages():
+    "What chapter 13 says of num_stages: Triton's pipeliner gives the decode kernel's gathered tiles (num_stages - 1) // 2 buffers (sm_90)."
+    import json, os, subprocess, sys
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "benchmarks" / "decode_alternatives.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, no GPU needed
+    done = subprocess.run([sys.executable, str(script), "--buffers"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    buffers = json.loads(done.stdout)["num_stages -> key buffers"]
+    assert buffers == {str(s): 0 if s == 1 else max(1, (s - 1) // 2) for s in range(1, 10)}, buffers
