@@ -199,6 +199,25 @@ def stream_k_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=
     return out
 
 
+# ---- chapter 9's partial results and merge, for the designs that keep its splits
+
+
+def split_partials(B, H, num_splits, D, device):
+    "Each split's unnormalised output (B, H, splits, D), running max and sum (B, H, splits), as chapter 9's kernel writes them."
+    part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=device)
+    return torch.empty(B, H, num_splits, D, dtype=torch.float32, device=device), part_m, torch.empty_like(part_m)
+
+
+def merge_splits(out, part_out, part_m, part_l, num_splits, pdl):
+    "Chapter 9's reduction kernel over the splits (nothing to do for one): out (B, H, D)."
+    if num_splits > 1:
+        B, H, D = out.shape
+        _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
+                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits),
+                                      BLOCK_D=triton.next_power_of_2(D), PDL=pdl, launch_pdl=pdl)
+    return out
+
+
 # ---- interleaved splits, first tile peeled
 
 
@@ -256,9 +275,7 @@ def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, o
     num_splits = kernels.choose_num_splits(B, K, block_tables.shape[1] * block_size, sms)
     block_n, num_warps, num_stages = kernels.decode_tile(K * B * num_splits / sms, D)
     pdl, BLOCK_D = _pdl(q.device), triton.next_power_of_2(D)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    part_out, part_m, part_l = split_partials(B, H, num_splits, D, q.device)
     _interleaved_kernel[(K, B, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_m, part_l,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -267,11 +284,7 @@ def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, o
         H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=BLOCK_D, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype), PEEL=peel,
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
-    if num_splits > 1:
-        _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
-                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
-                                      PDL=pdl, launch_pdl=pdl)
-    return out
+    return merge_splits(out, part_out, part_m, part_l, num_splits, pdl)
 
 
 # ---- TMA: one tensor-descriptor box per (block, KV head)
@@ -336,9 +349,7 @@ def tma_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None,
     k_desc = TensorDescriptor.from_tensor(pool_rows(k_cache), [block_size, D])
     v_desc = TensorDescriptor.from_tensor(pool_rows(v_cache), [block_size, D])
     pdl = _pdl(q.device)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    part_out, part_m, part_l = split_partials(B, H, num_splits, D, q.device)
     blocks_per_tile, num_warps, num_stages = tile
     _tma_decode_kernel[(K, B, num_splits)](
         q, k_desc, v_desc, block_tables, context_lens, out, part_out, part_m, part_l,
@@ -346,11 +357,7 @@ def tma_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None,
         num_splits, H=H, K=K, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_SIZE=block_size,
         BLOCKS_PER_TILE=blocks_per_tile, SPLIT=num_splits > 1, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
-    if num_splits > 1:
-        _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
-                                      H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=D,
-                                      PDL=pdl, launch_pdl=pdl)
-    return out
+    return merge_splits(out, part_out, part_m, part_l, num_splits, pdl)
 
 
 # ---- checks and measurements
