@@ -482,9 +482,12 @@ def _with_tile(tile, fn):
 
 STREAM_K_TILES = {64: [(128, 4, 3), (64, 2, 3)], 128: [(64, 4, 3), (64, 4, 2)]}  # the best of a wider screen
 DEEP_AT_3C03A90 = [(1, (128, 4, 5)), (1, (64, 4, 6)), (2, (128, 4, 5)), (2, (64, 4, 6)), (4, (128, 4, 3))]
-DEEP = {  # (splits, tile) at batch 8 x context 512: 9 stages hold four tiles (2-3 for D=128, as shared memory allows)
-    64: DEEP_AT_3C03A90 + [(1, (128, 4, 9)), (1, (128, 8, 9)), (1, (64, 2, 9)), (2, (128, 4, 7)), (2, (64, 4, 9))],
-    128: DEEP_AT_3C03A90 + [(1, (64, 4, 9)), (1, (128, 4, 7)), (1, (128, 8, 7)), (2, (64, 4, 9)), (2, (128, 4, 5))]}
+DEEP = {  # (splits, tile) at batch 8 x context 512: 9 stages hold four tiles (2-3 for D=128, as shared memory allows);
+    # one stage and a tile of the whole split: every load of the program issued at once, no loop to pipeline
+    64: DEEP_AT_3C03A90 + [(1, (128, 4, 9)), (1, (128, 8, 9)), (1, (64, 2, 9)), (2, (128, 4, 7)), (2, (64, 4, 9)),
+                           (1, (512, 8, 1)), (1, (512, 16, 1)), (2, (256, 8, 1)), (2, (256, 4, 1))],
+    128: DEEP_AT_3C03A90 + [(1, (64, 4, 9)), (1, (128, 4, 7)), (1, (128, 8, 7)), (2, (64, 4, 9)), (2, (128, 4, 5)),
+                            (1, (512, 16, 1)), (1, (256, 8, 1)), (1, (256, 8, 2)), (2, (256, 8, 1)), (2, (256, 16, 1))]}
 TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (blocks per iteration, warps, stages)
              128: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 3)]}
 DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks")
