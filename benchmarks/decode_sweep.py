@@ -779,7 +779,7 @@ def main(argv=None):
     p.add_argument("--block-n", nargs="+", type=int, help="only these BLOCK_N (default 16 32 64 128)")
     p.add_argument("--num-warps", nargs="+", type=int, default=list(NUM_WARPS), help="default %(default)s")
     p.add_argument("--num-stages", nargs="+", type=int, default=list(NUM_STAGES), help="default %(default)s; a load "
-                   "whose addresses come from the block table gets (num_stages - 1) // 2 buffers (at least 1) from "
+                   "whose addresses come from the block table gets (num_stages - 1) // 2 buffers (at least 1 from 2 stages on) from "
                    "Triton's pipeliner, so 5+ is where a tile gets a second")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                    help="cache layouts / grid orders to sweep (default all: %(default)s)")
