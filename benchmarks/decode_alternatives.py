@@ -266,14 +266,15 @@ def _interleaved_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_p
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
 
-def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, peel=True):
-    "Decode attention with the library's splits and tiles, but split s reading tiles s, s + splits, ... (chapter 9's merge)."
+def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, peel=True, num_splits=None,
+                       tile=None):
+    "Decode attention with the library's splits and tiles (or these), but split s reading tiles s, s + splits, ... (chapter 9's merge)."
     _, block_size, K, D = k_cache.shape
     B, H, _ = q.shape
     out = torch.empty_like(q) if out is None else out
     sms = kernels._num_sms(q.device)
-    num_splits = kernels.choose_num_splits(B, K, block_tables.shape[1] * block_size, sms)
-    block_n, num_warps, num_stages = kernels.decode_tile(K * B * num_splits / sms, D)
+    num_splits = num_splits or kernels.choose_num_splits(B, K, block_tables.shape[1] * block_size, sms)
+    block_n, num_warps, num_stages = tile or kernels.decode_tile(K * B * num_splits / sms, D)
     pdl, BLOCK_D = _pdl(q.device), triton.next_power_of_2(D)
     part_out, part_m, part_l = split_partials(B, H, num_splits, D, q.device)
     _interleaved_kernel[(K, B, num_splits)](
@@ -379,8 +380,9 @@ def cpu_check() -> dict:
         for programs, tile in [(1, (16, 4, 2)), (7, (32, 4, 2)), (40, (16, 4, 2))]:  # 40 > the tiles: empty ranges
             got = stream_k_decode(q, k_cache, v_cache, tables, context_lens, D**-0.5, tile=tile, programs=programs)
             worst["stream-K"] = max(worst["stream-K"], (got - ref).abs().max().item())
-        for peel in (True, False):
-            got = interleaved_decode(q, k_cache, v_cache, tables, context_lens, D**-0.5, peel=peel)
+        for peel, (splits, tile) in itertools.product((True, False), [(None, None), (1, (16, 4, 5)), (3, (32, 4, 5))]):
+            got = interleaved_decode(q, k_cache, v_cache, tables, context_lens, D**-0.5, peel=peel, num_splits=splits,
+                                     tile=tile)
             worst["interleaved"] = max(worst["interleaved"], (got - ref).abs().max().item())
         for tile, splits in [((1, 4, 2), None), ((2, 4, 5), 3), ((4, 2, 3), 1)]:
             got = tma_decode(q, head_major(k_cache), head_major(v_cache), tables, context_lens, D**-0.5, tile=tile,
@@ -412,6 +414,10 @@ def measure(models, cells, designs, log) -> list:
             for splits, tile in DEEP[D]:
                 runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
                     _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
+            for (splits, tile), peel in itertools.product(PEEL_AT_DEPTH, (False, True)):  # a peel with tiles behind it
+                runs[f"interleaved{', peeled' if peel else ''}/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = (
+                    lambda splits=splits, tile=tile, peel=peel: interleaved_decode(
+                        q, k_cache, v_cache, tables, lens, scale, out, peel, splits, tile))
         if "TMA" in designs:
             for tile in TMA_TILES[D]:
                 runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
@@ -488,6 +494,7 @@ DEEP = {  # (splits, tile) at batch 8 x context 512: 9 stages hold four tiles (2
                            (1, (512, 8, 1)), (1, (512, 16, 1)), (2, (256, 8, 1)), (2, (256, 4, 1))],
     128: DEEP_AT_3C03A90 + [(1, (64, 4, 9)), (1, (128, 4, 7)), (1, (128, 8, 7)), (2, (64, 4, 9)), (2, (128, 4, 5)),
                             (1, (512, 16, 1)), (1, (256, 8, 1)), (1, (256, 8, 2)), (2, (256, 8, 1)), (2, (256, 16, 1))]}
+PEEL_AT_DEPTH = [(1, (128, 4, 5)), (2, (128, 4, 5)), (1, (64, 4, 5))]  # (splits, tile): 2-4 tiles per split at S=512
 TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (blocks per iteration, warps, stages)
              128: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 3)]}
 DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks")
