@@ -494,7 +494,8 @@ DEEP = {  # (splits, tile) at batch 8 x context 512: 9 stages hold four tiles (2
                            (1, (512, 8, 1)), (1, (512, 16, 1)), (2, (256, 8, 1)), (2, (256, 4, 1))],
     128: DEEP_AT_3C03A90 + [(1, (64, 4, 9)), (1, (128, 4, 7)), (1, (128, 8, 7)), (2, (64, 4, 9)), (2, (128, 4, 5)),
                             (1, (512, 16, 1)), (1, (256, 8, 1)), (1, (256, 8, 2)), (2, (256, 8, 1)), (2, (256, 16, 1))]}
-PEEL_AT_DEPTH = [(1, (128, 4, 5)), (2, (128, 4, 5)), (1, (64, 4, 5))]  # (splits, tile): 2-4 tiles per split at S=512
+PEEL_AT_DEPTH = [(1, (128, 4, 5)), (2, (128, 4, 5)), (1, (64, 4, 5)),  # (splits, tile): 2-4 tiles per split at S=512,
+                 (4, (128, 4, 3)), (4, (128, 4, 1))]  # and one: a peel with nothing behind it to delay
 TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (blocks per iteration, warps, stages)
              128: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 3)]}
 DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks")
