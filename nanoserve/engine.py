@@ -74,13 +74,14 @@ class Request:
     logprobs: list | None = None
     error: str | None = None
 
-    def output(self) -> RequestOutput:
+    def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
         seq, text = self.seq, self.text
         if not seq.is_finished and seq.params.stop: text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
-        return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
-                             seq.is_finished, seq.finish_reason, self.metrics,
-                             None if self.logprobs is None else list(self.logprobs), self.error)  # a snapshot, as the ids
+        ids, logprobs = seq.output_token_ids, self.logprobs  # snapshot=False: the live lists, O(1) instead of O(tokens)
+        if snapshot: ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
+        return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished,
+                             seq.finish_reason, self.metrics, logprobs, self.error)
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -110,6 +111,7 @@ class LLMEngine:
         self.requests: dict = {}  # request_id -> Request, until it finishes
         self._ids = itertools.count()
         self.step_seconds = dict.fromkeys(("schedule", "prepare_and_launch", "wait_for_gpu", "process_outputs"), 0.0)
+        self.snapshot_outputs = True  # False: step()'s outputs share the engine's token lists, valid until the next step
         overlap = c.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
         self._running = None  # async scheduling: the launched step whose tokens the host has not read yet, and its requests
@@ -200,7 +202,7 @@ def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
         req.metrics.num_preemptions = seq.num_preemptions
         try: self._record_token(req, row, sampled)
         except Exception as e: self._fail(req, e)  # this request fails alone
-        if req.stream or seq.is_finished: outputs.append(req.output())
+        if req.stream or seq.is_finished: outputs.append(req.output(self.snapshot_outputs))
         if seq.is_finished: del self.requests[seq.seq_id]
     self.step_seconds["wait_for_gpu"] += t1 - t0
     self.step_seconds["process_outputs"] += time.perf_counter() - t1

@@ -70,6 +70,7 @@ class EngineLoop:
     "Chapter 12a's engine loop in the engine process: commands arrive on a pipe, and one message per pass goes back."
     def __init__(self, engine: LLMEngine, conn):
         self.engine, self.conn, self.tracker = engine, conn, DeltaTracker()
+        engine.snapshot_outputs = False  # each output becomes a delta in this step: copying its whole token list is waste
         self.outbox: list = []                  # what this pass will send, in order
         self.drain_until: float | None = None   # set by the shutdown command
         self.taken: set = set()                 # ids of the requests taken and not yet finished

@@ -51,6 +51,40 @@ def test_delta_round_trip_rebuilds_every_output(llm):
     assert not tracker.sent  # finished requests are forgotten
 
 
+def test_outputs_that_share_the_engines_lists_give_the_same_deltas(llm):
+    "The engine process takes each output's delta at once, so its engine does not copy token lists (snapshot_outputs=False)."
+    engine, runs = llm.llm_engine, []
+    for snapshot in (True, False):
+        engine.snapshot_outputs = snapshot
+        try:
+            for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)): engine.add_request(f"{snapshot}-{i}", prompt, params)
+            tracker, deltas = DeltaTracker(), []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if not out.finished:  # shared (no copy) or a copy of its own
+                        shared = out.token_ids is engine.requests[out.request_id].seq.output_token_ids
+                        assert shared is not snapshot
+                    d = tracker.delta(out)
+                    deltas.append((out.request_id.split("-")[1], d.text_start, d.text, d.token_ids, d.logprobs,
+                                   d.finished, d.finish_reason))
+            runs.append(deltas)
+        finally:
+            engine.snapshot_outputs = True
+    assert runs[0] == runs[1] and len(runs[0]) > len(PROMPTS)
+
+
+def test_the_engine_process_takes_outputs_without_copies():
+    "EngineLoop asks its engine for outputs that share the token lists (it turns each into a delta in the same pass)."
+    from nanoserve.engine_process import EngineLoop
+    class Engine: snapshot_outputs = True
+    class Conn:
+        def send_bytes(self, b): pass
+    loop = EngineLoop(Engine(), Conn())
+    assert loop.engine.snapshot_outputs is False
+    loop.outgoing.put(None)
+    loop.sender.join()
+
+
 def test_output_delta_pickles_to_itself():
     "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
     d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",

@@ -1,0 +1,63 @@
+"""Host time the engine process spends per streaming request per step turning the engine's output into a delta.
+
+Chapter 12e's loop calls `Request.output()` for every streaming request after every step and hands the result to
+`DeltaTracker.delta`. With `snapshot=True` (chapter 11b's default) the output carries a copy of the request's whole
+token list, so the cost grows with the tokens generated so far; with `snapshot=False` (what `EngineLoop` asks for) it
+shares the list and only the delta is copied. This times both, with the request's token list and text grown by one
+token (four characters) per step, as a running request's are. No model and no GPU: the engine's own objects only.
+
+    python benchmarks/stream_output_cost.py --out stream_output_cost.json
+
+Prints one JSON object: microseconds per request per step, by output length and mode.
+"""
+import argparse, datetime, json, os, platform, sys, time, timeit
+from pathlib import Path
+
+try:
+    import nanoserve  # noqa: F401
+except ImportError:  # not installed: run from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanoserve.engine import Request, RequestMetrics
+from nanoserve.engine_process import DeltaTracker
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import Sequence
+
+LENGTHS = (128, 1024, 4096, 16384)  # output tokens generated so far
+
+
+def us_per_step(num_tokens: int, snapshot: bool, steps: int = 100, repeats: int = 15) -> float:
+    "Median over repeats of the microseconds one step costs (a new token, then output() and its delta), from num_tokens on."
+    state = {}
+
+    def reset():  # each repeat starts num_tokens in, with that much already sent
+        seq = Sequence("r", list(range(100)), SamplingParams(max_tokens=num_tokens + steps + 1))
+        seq.output_token_ids = list(range(num_tokens))
+        state["seq"], state["tracker"] = seq, DeltaTracker()
+        state["req"] = Request(seq, "prompt", None, None, RequestMetrics(time.monotonic()), text="abcd" * num_tokens)
+        state["tracker"].delta(state["req"].output())
+
+    def step():
+        seq, req = state["seq"], state["req"]
+        seq.output_token_ids.append(7)
+        req.text = req.text + "abcd"  # as the engine does: the tracker holds the old text, so this copies it
+        state["tracker"].delta(req.output(snapshot))
+    times = sorted(timeit.repeat(step, setup=reset, number=steps, repeat=repeats))
+    return round(times[len(times) // 2] / steps * 1e6, 2)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = [{"output_tokens": n, "us_snapshot": us_per_step(n, True), "us_shared": us_per_step(n, False)} for n in LENGTHS]
+    res = {"benchmark": "stream_output_cost", "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "unit": "microseconds per streaming request per engine step", "rows": rows}
+    text = json.dumps(res, indent=1)
+    if args.out: args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
