@@ -4,7 +4,9 @@ Chapter 12e's loop calls `Request.output()` for every streaming request after ev
 `DeltaTracker.delta`. With `snapshot=True` (chapter 11b's default) the output carries a copy of the request's whole
 token list, so the cost grows with the tokens generated so far; with `snapshot=False` (what `EngineLoop` asks for) it
 shares the list and only the delta is copied. This times both, with the request's token list and text grown by one
-token (four characters) per step, as a running request's are. No model and no GPU: the engine's own objects only.
+token (four characters) per step, as a running request's are. It also times the server's side of the pipe:
+chapter 12e's `OutputAssembly.apply`, which rebuilds each cumulative output from its delta and copies the token list
+into it. No model and no GPU: the engine's own objects only.
 
     python benchmarks/stream_output_cost.py --out stream_output_cost.json
 
@@ -18,7 +20,7 @@ try:
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanoserve.engine import Request, RequestMetrics
-from nanoserve.engine_process import DeltaTracker
+from nanoserve.engine_process import DeltaTracker, OutputAssembly, OutputDelta
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Sequence
 
@@ -45,11 +47,27 @@ def us_per_step(num_tokens: int, snapshot: bool, steps: int = 100, repeats: int 
     return round(times[len(times) // 2] / steps * 1e6, 2)
 
 
+def us_per_apply(num_tokens: int, steps: int = 100, repeats: int = 15) -> float:
+    "The same for the server's side of the pipe: OutputAssembly.apply of one token's delta, num_tokens in (a copy of them)."
+    state = {}
+
+    def reset():
+        state["a"] = a = OutputAssembly("r", "prompt", list(range(100)), 0.0)
+        a.token_ids, a.text = list(range(num_tokens)), "abcd" * num_tokens
+
+    def step():
+        a = state["a"]
+        state["out"] = a.apply(OutputDelta("r", len(a.text), "abcd", [7], None, False, None, None, None))
+    times = sorted(timeit.repeat(step, setup=reset, number=steps, repeat=repeats))
+    return round(times[len(times) // 2] / steps * 1e6, 2)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = [{"output_tokens": n, "us_snapshot": us_per_step(n, True), "us_shared": us_per_step(n, False)} for n in LENGTHS]
+    rows = [{"output_tokens": n, "us_snapshot": us_per_step(n, True), "us_shared": us_per_step(n, False),
+             "us_server_apply": us_per_apply(n)} for n in LENGTHS]
     res = {"benchmark": "stream_output_cost", "machine": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
