@@ -546,3 +546,26 @@ def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process)
         if proc.poll() is None: proc.kill()
         out = proc.stdout.read()
     assert "Traceback" not in out, out
+
+
+def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch):
+    "`nanoserve serve` raises its process's first GC threshold (streaming outputs keep many young token lists alive)."
+    import gc
+    import nanoserve.server as server_module
+
+    seen = {}
+    class FakeServer:  # what serve() needs of make_server's result
+        class config:
+            class app:
+                class state:
+                    class server: model_name = "m"
+        class engine: error = None
+        def run(self): seen["threshold"] = gc.get_threshold()
+
+    saved = gc.get_threshold()
+    monkeypatch.setattr(server_module, "make_server", lambda *a, **k: FakeServer())
+    try:
+        assert server_module.serve() == 0
+    finally:
+        gc.set_threshold(*saved)
+    assert seen["threshold"] == (server_module.SERVER_GC_THRESHOLD, *saved[1:]) and server_module.SERVER_GC_THRESHOLD > saved[0]
