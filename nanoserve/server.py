@@ -433,7 +433,8 @@ SERVER_GC_THRESHOLD = 50_000  # allocations between collections of Python's youn
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
     "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
-    gc.set_threshold(SERVER_GC_THRESHOLD, *gc.get_threshold()[1:])  # this process's own setting: see below
+    saved_gc = gc.get_threshold()
+    gc.set_threshold(SERVER_GC_THRESHOLD, *saved_gc[1:])  # while it serves; the text above says why
     server = make_server(model, host, port, **options)
     log.info("serving %s with OpenAI's API at http://%s:%d/v1 (docs at /docs, metrics at /metrics)",
              server.config.app.state.server.model_name, host, port)
@@ -441,6 +442,7 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     try: server.run()
     finally:
         for sig, handler in quiet.items(): signal.signal(sig, handler)
+        gc.set_threshold(*saved_gc)
     return 1 if server.engine.error is not None else 0  # a dead engine is a failure the supervisor should see
 
 @contextlib.contextmanager

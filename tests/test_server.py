@@ -549,7 +549,7 @@ def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process)
 
 
 def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch):
-    "`nanoserve serve` raises its process's first GC threshold (streaming outputs keep many young token lists alive)."
+    "`nanoserve serve` raises the first GC threshold while it serves (streaming outputs make many young token lists), then restores it."
     import gc
     import nanoserve.server as server_module
 
@@ -566,6 +566,8 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
     monkeypatch.setattr(server_module, "make_server", lambda *a, **k: FakeServer())
     try:
         assert server_module.serve() == 0
+        restored = gc.get_threshold()
     finally:
         gc.set_threshold(*saved)
     assert seen["threshold"] == (server_module.SERVER_GC_THRESHOLD, *saved[1:]) and server_module.SERVER_GC_THRESHOLD > saved[0]
+    assert restored == saved  # only while it serves
