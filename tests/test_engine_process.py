@@ -51,9 +51,11 @@ def test_delta_round_trip_rebuilds_every_output(llm):
     assert not tracker.sent  # finished requests are forgotten
 
 
-def test_outputs_that_share_the_engines_lists_give_the_same_deltas(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_outputs_that_share_the_engines_lists_give_the_same_deltas(llm, async_scheduling):
     "The engine process takes each output's delta at once, so its engine does not copy token lists (snapshot_outputs=False)."
-    engine, runs = llm.llm_engine, []
+    engine = LLM(**OPTIONS, async_scheduling=True).llm_engine if async_scheduling else llm.llm_engine  # the GPU's way
+    runs = []
     for snapshot in (True, False):
         engine.snapshot_outputs = snapshot
         try:
