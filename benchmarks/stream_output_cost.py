@@ -25,14 +25,21 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Sequence
 
 LENGTHS = (128, 1024, 4096, 16384)  # output tokens generated so far
+STEPS, REPEATS = 100, 15  # steps timed per repeat (each repeat starts afresh), repeats whose median is reported
 
 
-def us_per_step(num_tokens: int, snapshot: bool, steps: int = 100, repeats: int = 15) -> float:
-    "Median over repeats of the microseconds one step costs (a new token, then output() and its delta), from num_tokens on."
+def median_us(step, reset) -> float:
+    "Microseconds per call of `step`: the median over REPEATS of STEPS calls, `reset` before each repeat."
+    times = sorted(timeit.repeat(step, setup=reset, number=STEPS, repeat=REPEATS))
+    return round(times[REPEATS // 2] / STEPS * 1e6, 2)
+
+
+def us_per_step(num_tokens: int, snapshot: bool) -> float:
+    "Microseconds one engine step costs a streaming request (a new token, then output() and its delta), num_tokens in."
     state = {}
 
     def reset():  # each repeat starts num_tokens in, with that much already sent
-        seq = Sequence("r", list(range(100)), SamplingParams(max_tokens=num_tokens + steps + 1))
+        seq = Sequence("r", list(range(100)), SamplingParams(max_tokens=num_tokens + STEPS + 1))
         seq.output_token_ids = list(range(num_tokens))
         state["seq"], state["tracker"] = seq, DeltaTracker()
         state["req"] = Request(seq, "prompt", None, None, RequestMetrics(time.monotonic()), text="abcd" * num_tokens)
@@ -43,11 +50,10 @@ def us_per_step(num_tokens: int, snapshot: bool, steps: int = 100, repeats: int 
         seq.output_token_ids.append(7)
         req.text = req.text + "abcd"  # as the engine does: the tracker holds the old text, so this copies it
         state["tracker"].delta(req.output(snapshot))
-    times = sorted(timeit.repeat(step, setup=reset, number=steps, repeat=repeats))
-    return round(times[len(times) // 2] / steps * 1e6, 2)
+    return median_us(step, reset)
 
 
-def us_per_apply(num_tokens: int, steps: int = 100, repeats: int = 15) -> float:
+def us_per_apply(num_tokens: int) -> float:
     "The same for the server's side of the pipe: OutputAssembly.apply of one token's delta, num_tokens in (a copy of them)."
     state = {}
 
@@ -58,8 +64,7 @@ def us_per_apply(num_tokens: int, steps: int = 100, repeats: int = 15) -> float:
     def step():
         a = state["a"]
         state["out"] = a.apply(OutputDelta("r", len(a.text), "abcd", [7], None, False, None, None, None))
-    times = sorted(timeit.repeat(step, setup=reset, number=steps, repeat=repeats))
-    return round(times[len(times) // 2] / steps * 1e6, 2)
+    return median_us(step, reset)
 
 
 def main(argv=None):
