@@ -128,8 +128,9 @@ async def _add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | No
                        request_id: str | None = None) -> RequestStream:
     "Queue a request (a string or token ids); its stream once the engine has taken it. Raises ValueError, EngineOverloaded or EngineStopped."
     if not self.is_running: raise EngineStopped("the engine is not running")
-    if self.max_waiting is not None and self.stats.num_waiting + self._queued() >= self.max_waiting:
-        raise EngineOverloaded(f"{self.stats.num_waiting} requests are waiting already (limit {self.max_waiting})")
+    waiting = self.stats.num_waiting + self._queued()  # in the engine's queue, and on their way to it
+    if self.max_waiting is not None and waiting >= self.max_waiting:
+        raise EngineOverloaded(f"{waiting} requests are waiting already (limit {self.max_waiting})")
     loop = asyncio.get_running_loop()
     request_id = f"request-{next(self._ids)}" if request_id is None else str(request_id)
     stream, accepted = RequestStream(request_id, loop), loop.create_future()

@@ -8,6 +8,7 @@ __all__ = ['RequestMetrics', 'TokenLogprobs', 'RequestOutput', 'Request', 'engin
 # %% ../chapters/11b_engine.ipynb #d4ee404c
 import dataclasses, itertools, time
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -130,9 +131,14 @@ def _prompt_token_ids(self: LLMEngine, prompt) -> list:
 def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | None = None,
                  arrival_time: float | None = None, stream: bool = True) -> str:
     "Queue a request (prompt: a string or token ids); returns its id. Raises ValueError for a request that cannot run."
-    params = params or SamplingParams()
+    params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(stream, bool): raise ValueError(f"stream={stream!r}: expected True or False")
+    if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+        raise ValueError(f"arrival_time={arrival_time!r}: expected None or a time.monotonic() reading")
     if params.stop and self.tokenizer is None: raise ValueError("stop strings need a tokenizer; this model has none")
+    if (params.logprobs or 0) > self.model.config.vocab_size:
+        raise ValueError(f"logprobs={params.logprobs}: this model has only {self.model.config.vocab_size} tokens")
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self.requests: raise ValueError(f"request_id={request_id!r} is already running")
     ids = self._prompt_token_ids(prompt)
@@ -230,7 +236,7 @@ def _as_prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts is a {type(prompts).__name__}: give a string, a list of token ids, or a list of those")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts): return [prompts]  # one tokenized prompt
+    if prompts and all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompts): return [prompts]  # one tokenized prompt
     for i, p in enumerate(prompts):
         if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist"):  # tensors and arrays of ids are prompts too
             raise ValueError(f"prompts[{i}] is a {type(p).__name__}: each prompt must be a string or a list of token ids")
@@ -261,9 +267,10 @@ class LLM:
         engine, ids = self.llm_engine, []
         try:
             for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p, stream=False))
-        except ValueError as e:  # refuse the whole call, and leave no half-added requests behind
+        except Exception as e:  # refuse the whole call, and leave no half-added requests behind
             for i in ids: engine.abort(i)
-            raise ValueError(f"prompt {len(ids)}: {e}") from None
+            if isinstance(e, ValueError): raise ValueError(f"prompt {len(ids)}: {e}") from None
+            raise
         return self._run(ids, use_tqdm)
 
 # %% ../chapters/11b_engine.ipynb #dd22128f

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .model import CausalLM, ModelConfig
@@ -44,7 +44,9 @@ def checkpoint_files(model_dir: Path) -> list:
     "The safetensors files of a checkpoint directory, from its shard index when there is one."
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        return [model_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        try: return [model_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a shard index, a JSON object whose 'weight_map' maps tensors to files: {e!r}") from None
     files = sorted(model_dir.glob("*.safetensors"))
     if not files: raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     return files
@@ -58,14 +60,17 @@ def load_weights(model: CausalLM, files) -> CausalLM:
     tied = model.config.tie_word_embeddings
     found, unexpected, wrong_shape = set(), [], []
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if IGNORED_TENSORS.search(name) or (tied and name == "lm_head.weight"): continue
-                if name not in params: unexpected.append(name); continue
-                found.add(name)
-                tensor, param = f.get_tensor(name), params[name]
-                if tensor.shape != param.shape: wrong_shape.append(f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"); continue
-                with torch.no_grad(): param.copy_(tensor)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if IGNORED_TENSORS.search(name) or (tied and name == "lm_head.weight"): continue
+                    if name not in params: unexpected.append(name); continue
+                    found.add(name)
+                    tensor, param = f.get_tensor(name), params[name]
+                    if tensor.shape != param.shape: wrong_shape.append(f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"); continue
+                    with torch.no_grad(): param.copy_(tensor)
+        except SafetensorError as e:  # a truncated or corrupt download
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
     missing = sorted(params.keys() - found)
     if missing or unexpected or wrong_shape:
         raise ValueError(_mismatch_report(missing, unexpected, wrong_shape))

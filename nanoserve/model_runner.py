@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'PREFILL_GRAPH_TOKENS', 'EngineConfig', 'scheduler_config', 'BatchInputs',
-           'block_table_array', 'prepare_inputs', 'attention_backend', 'prepare_model', 'ModelRunner', 'LaunchedStep',
-           'graph_batch_sizes', 'GraphBuffers', 'prefill_graph_length']
+           'block_table_array', 'prepare_inputs', 'attention_backend', 'prepare_model', 'allocate_kv_cache',
+           'ModelRunner', 'LaunchedStep', 'graph_batch_sizes', 'GraphBuffers', 'prefill_graph_length']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
-import dataclasses, itertools, logging
+import dataclasses, itertools, logging, os
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,9 +88,11 @@ class BatchInputs:
 # %% ../chapters/11a_model_runner.ipynb #3c22abb1
 def _to_device(arr: np.ndarray, device) -> torch.Tensor:
     "A host array on `device`; through pinned memory to a GPU, so that the copy need not wait for the work queued before it."
-    t = torch.from_numpy(arr)
-    if torch.device(device).type == "cuda": t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    src = torch.from_numpy(arr)
+    if torch.device(device).type != "cuda": return src.to(device)
+    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    pinned.numpy()[...] = arr  # numpy's copy, on this thread; not src.pin_memory(), whose copy wakes torch's CPU threads
+    return pinned.to(device, non_blocking=True)
 
 def block_table_array(tables: list, width: int) -> np.ndarray:
     "Block tables (lists of different lengths) as one (B, width) int32 array, padded with -1."
@@ -147,6 +149,22 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
     return model.eval()
 
 # %% ../chapters/11a_model_runner.ipynb #b2fc0314
+def _memory_bytes(device: torch.device) -> int | None:
+    "All the memory of `device`: the GPU's, or the host's physical memory (None where the OS does not say, as on Windows)."
+    if device.type == "cuda": return torch.cuda.mem_get_info(device)[1]
+    try: return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError): return None
+
+def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+    "The KV pool, or a ValueError naming num_kv_blocks when the device cannot hold it (not an allocator's error, or the OOM killer)."
+    need, have = num_blocks * block_bytes(cfg, block_size, dtype), _memory_bytes(device)
+    too_big = f"num_kv_blocks={num_blocks} of {block_size} tokens: the KV cache needs {need / 2**30:.2f} GiB"
+    if have is not None and need > have:  # a host's memory is touched page by page: this much would summon the OOM killer
+        raise ValueError(f"{too_big}, and {device} has {have / 2**30:.2f} GiB in all")
+    try: return PagedKVCache.from_config(cfg, num_blocks, block_size, dtype, device)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # less than that is free now
+        raise ValueError(f"{too_big}, but could not allocate it: {str(e).splitlines()[0]}") from None
+
 class ModelRunner:
     "Runs the model over the paged KV cache, one flattened batch per step, and samples a token for each sequence."
     def __init__(self, model: CausalLM, config: EngineConfig):
@@ -157,7 +175,7 @@ class ModelRunner:
         self.max_model_len = self.scheduler_config.max_model_len
         self.attention_cls = attention_backend(self.device)
         num_blocks = config.num_kv_blocks or self.profile_num_blocks()
-        self.cache = PagedKVCache.from_config(model.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.cache = allocate_kv_cache(model.config, num_blocks, config.block_size, self.dtype, self.device)
         self.graphs = {}  # decode batch size -> captured CUDA graph and its static tensors
         self.prefill_graphs = {}  # one prompt's padded token count -> captured CUDA graph and its logits
         if self.device.type == "cuda" and not config.enforce_eager: self.capture_cuda_graphs()

@@ -8,7 +8,7 @@ __all__ = ['MAX_LOGPROBS', 'GREEDY_BELOW', 'greedy_naive', 'filter_logits', 'Sam
            'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
-import math
+import math, reprlib
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import NamedTuple
@@ -46,17 +46,24 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as in vLLM
 
 def _int(v) -> bool: return isinstance(v, Integral) and not isinstance(v, bool)
-def _real(v) -> bool: return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
 
-_CHECKS = {  # field: (is the value allowed?, what is allowed)
-    "temperature": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0 means greedy)"),
-    "top_p": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _int(v) and v >= -1, "an integer >= 1, or 0 or -1 to disable"),
-    "min_p": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "seed": (lambda v: v is None or (_int(v) and -2**63 <= v < 2**64), "an integer in [-2**63, 2**64), or None"),
-    "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
-    "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}"),
+def _real(v) -> bool:
+    if not isinstance(v, Real) or isinstance(v, bool): return False
+    try: return math.isfinite(v)
+    except OverflowError: return False  # an int too large for a float
+
+def _or_none(convert): return lambda v: None if v is None else convert(v)
+
+_CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: numpy's numbers become Python's)
+    "temperature": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0 means greedy)", float),
+    "top_p": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]", float),
+    "top_k": (lambda v: _int(v) and v >= -1, "an integer >= 1, or 0 or -1 to disable", int),
+    "min_p": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]", float),
+    "seed": (lambda v: v is None or (_int(v) and -2**63 <= v < 2**64), "an integer in [-2**63, 2**64), or None", _or_none(int)),
+    "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1", int),
+    "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
+    "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
+                 _or_none(int)),
 }
 
 # %% ../chapters/06b_sampling.ipynb #6428b5f4
@@ -89,12 +96,15 @@ class SamplingParams:
     ignore_eos: bool = False    # keep going after the end-of-sequence token
     logprobs: int | None = None # n: return the chosen token's log probability and the top-n alternatives
 
-    def __post_init__(self):
-        for name, (ok, allowed) in _CHECKS.items():
-            value = getattr(self, name)
-            if not ok(value): raise ValueError(f"{name}={value!r}: expected {allowed}")
-        self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
-        self.stop, self.stop_token_ids = _stop_strings(self.stop), _token_ids(self.stop_token_ids)
+    def __setattr__(self, name, value):
+        "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
+        if name in _CHECKS:
+            ok, allowed, keep = _CHECKS[name]
+            if not ok(value): raise ValueError(f"{name}={reprlib.repr(value)}: expected {allowed}")
+            value = keep(value)
+        elif name == "stop": value = _stop_strings(value)
+        elif name == "stop_token_ids": value = _token_ids(value)
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool: return self.temperature < GREEDY_BELOW

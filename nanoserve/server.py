@@ -24,7 +24,7 @@ from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, Reque
 from .engine import RequestOutput
 from .loader import DEFAULT_MODEL
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                ErrorResponse, InvalidRequest, ModelList, chat_delta, chat_response, chunk,
+                                ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
                                 completion_delta, completion_response, new_id, sampling_params, token_budget, usage)
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,8 @@ class OpenAIServer:
         self.tokenizer, self.max_model_len, self.kv_capacity = engine.tokenizer, engine.max_model_len, engine.kv_capacity
         self.metrics = ServerMetrics(engine, model_name, self.max_model_len)
         self.created = int(time.time())
+        # no token stands for more characters than its vocabulary string has (bytes, in a byte-level vocabulary)
+        self.max_token_chars = max(map(len, self.tokenizer.backend.get_vocab()), default=1) if self.tokenizer else 0
 
     def check_model(self, name: str | None):
         if name is not None and name != self.model_name:
@@ -267,11 +269,20 @@ class OpenAIServer:
         try: text.encode("utf-8")
         except UnicodeEncodeError as e: raise InvalidRequest(f"The text is not valid Unicode: {e.reason} at position {e.start}.", param)
 
+    def check_chars(self, num_chars: int, param: str):
+        """A 400 for text that cannot fit in the context however it is tokenized, before tokenizing it: a tokenizer holds
+        the GIL, so megabytes of text would stop the event loop, and every other stream, for seconds."""
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens, and no token of its "
+                                 f"vocabulary is longer than {self.max_token_chars} characters. However, you sent "
+                                 f"{num_chars} characters. Please reduce the length of the {param}.", param)
+
     async def completion_prompt(self, req: CompletionRequest) -> list:
         "The token ids of a completion request's prompt (a string, tokenized off the event loop, or token ids already)."
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else req.prompt
         if not isinstance(prompt, str): return list(prompt)
         self.check_text(prompt, "prompt")
+        self.check_chars(len(prompt), "prompt")
         return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
@@ -280,6 +291,7 @@ class OpenAIServer:
             raise InvalidRequest("This model has no chat template: use /v1/completions with a plain prompt.", "messages")
         messages = [m.as_dict() for m in req.messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
+        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try: return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tokenize=True)
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
 
@@ -316,8 +328,14 @@ def add_routes(app: FastAPI, server: OpenAIServer):
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         "The one model this server serves."
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "nanoserve", "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [await model(server.model_name)]}
+
+    @app.get("/v1/models/{name:path}", response_model=ModelCard, responses=error_docs)
+    async def model(name: str):
+        "The model card of `name`, if this server serves it (OpenAI's models.retrieve)."
+        server.check_model(name)
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanoserve",
+                "max_model_len": server.max_model_len}
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=error_docs)
     async def completions(req: CompletionRequest, request: Request):

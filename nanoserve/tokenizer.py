@@ -88,7 +88,8 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool = 
     context = {"tools": None, "documents": None, **variables,
                "messages": check_messages(messages), "add_generation_prompt": add_generation_prompt}
     try: return compile_chat_template(template).render(**context)
-    except jinja2.TemplateError as e:  # raise_exception, a syntax error, a sandbox violation: all a bad request
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+        # raise_exception, a syntax error, a sandbox violation, content of a type the template does not handle: a bad request
         raise ValueError(f"the chat template could not render these messages: {type(e).__name__}: {e}") from e
 
 # %% ../chapters/06a_tokenizer.ipynb #a4a9db91
@@ -98,7 +99,9 @@ def token_ids(value) -> list:
 
 def read_json(path: Path) -> dict:
     "A JSON file's contents, or {} when the file does not exist."
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if not path.exists(): return {}
+    try: return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e: raise ValueError(f"{path} is not valid JSON in UTF-8: {e}") from None  # a truncated download
 
 # %% ../chapters/06a_tokenizer.ipynb #4ba165af
 class Tokenizer:
@@ -126,7 +129,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         "Token ids of `text`; `add_special_tokens` applies the post-processor (a BOS token where the model wants one)."
         if not isinstance(text, str): raise ValueError(f"text={reprlib.repr(text)}: expected a string")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try: return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the Rust tokenizer takes only text that UTF-8 can encode
+            bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if bad is None: raise
+            raise ValueError(f"text has a lone surrogate, {text[bad]!r} at character {bad}: it is not valid Unicode text") from None
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         "The text of token `ids` (a list or a 1-D tensor), without special tokens if `skip_special_tokens`."
@@ -163,8 +170,9 @@ def load_tokenizer(model=None) -> Tokenizer:
                          "`tokenizers` file, not sentencepiece's tokenizer.model)")
     config = read_json(model_dir / "tokenizer_config.json")
     generation = read_json(model_dir / "generation_config.json") or read_json(model_dir / "config.json")
-    return Tokenizer(tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json")), config,
-                     read_chat_template(model_dir, config), generation.get("eos_token_id"),
+    try: backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    except Exception as e: raise ValueError(f"{model_dir / 'tokenizer.json'} could not be read: {e}") from None  # the Rust side's bare Exception
+    return Tokenizer(backend, config, read_chat_template(model_dir, config), generation.get("eos_token_id"),
                      name=model_dir.name if model is None else str(model))
 
 # %% ../chapters/06a_tokenizer.ipynb #c5bc9184

@@ -8,10 +8,10 @@ import torch
 from nanoserve import LLM, LLMEngine, SamplingParams
 from nanoserve.block_manager import BlockManager
 from nanoserve.loader import load_model
-from nanoserve.model_runner import (PREFILL_GRAPH_TOKENS, EngineConfig, ModelRunner, graph_batch_sizes, prefill_graph_length,
-                                    prepare_inputs)
+from nanoserve.model_runner import (PREFILL_GRAPH_TOKENS, EngineConfig, ModelRunner, _to_device, graph_batch_sizes,
+                                    prefill_graph_length, prepare_inputs)
 from nanoserve.scheduler import Scheduler, SchedulerOutput, Sequence
-from nanoserve.testing import hf_default_model, hf_model, tiny_model_dir
+from nanoserve.testing import hf_default_model, hf_model, save_tiny_model, tiny_model_dir
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -223,7 +223,7 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
     cases = [("", SamplingParams(), "empty"),
              ([1, 2, 10**6], SamplingParams(), r"in \[0, 49152\)"),
              ("Hi", SamplingParams(max_tokens=600), "exceeds max_model_len=512"),
-             ("Hi", "greedy", "must be a SamplingParams")]
+             ("Hi", "greedy", "must be a SamplingParams"), ("Hi", 0, "must be a SamplingParams, got int")]
     for prompt, params, match in cases:
         with pytest.raises(ValueError, match=match): engine.add_request(None, prompt, params)
     with pytest.raises(ValueError, match="prompt 1: .*exceeds max_model_len"):
@@ -237,10 +237,44 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
     with pytest.raises(ValueError, match="sampling_params is a dict"):
         default_llm.generate([[1]], {"temperature": 0}, use_tqdm=False)
     with pytest.raises(ValueError, match="got a NoneType"): engine.add_request(None, None)
+    with pytest.raises(ValueError, match="stream='no'"): engine.add_request(None, "Hi", stream="no")
+    with pytest.raises(ValueError, match="arrival_time='now'"): engine.add_request(None, "Hi", arrival_time="now")
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already running"): engine.add_request("dup", "Hi")
     engine.abort("dup")
+    with pytest.raises(ValueError, match="prompt 1: text has a lone surrogate"):
+        default_llm.generate(["Hi", "\ud800"], use_tqdm=False)
     assert not engine.has_unfinished() and engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_generate_leaves_nothing_behind_whatever_a_prompt_raises(default_llm, monkeypatch):
+    "Not only ValueError: any error while adding the prompts takes back the ones added before it."
+    engine, add = default_llm.llm_engine, default_llm.llm_engine.add_request
+    def add_then_fail(request_id, prompt, *args, **kw):
+        if prompt == "boom": raise RuntimeError("boom")
+        return add(request_id, prompt, *args, **kw)
+    monkeypatch.setattr(engine, "add_request", add_then_fail)
+    with pytest.raises(RuntimeError, match="boom"): default_llm.generate(["Hi", "there", "boom"], use_tqdm=False)
+    assert not engine.has_unfinished() and not engine.requests and engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_numpy_token_ids_are_one_prompt():
+    import numpy as np
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=16, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = [np.int64(1), np.int64(2), np.int32(3)]
+    assert llm.generate(ids, params, use_tqdm=False)[0].token_ids == llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+
+
+def test_logprobs_beyond_the_vocabulary_are_refused_and_the_engine_goes_on(tmp_path):
+    "Asked for more alternatives than the model has tokens, the sampler's top-k would fail every step of every batch."
+    save_tiny_model("llama", tmp_path, vocab_size=8)
+    engine = LLMEngine(tmp_path, num_kv_blocks=16, device="cpu")
+    engine.add_request("good", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=8))
+    with pytest.raises(ValueError, match="logprobs=9: this model has only 8 tokens"):
+        engine.add_request("bad", [1, 2], SamplingParams(logprobs=9))
+    while engine.has_unfinished(): outs = engine.step()
+    assert [o.request_id for o in outs] == ["good"] and len(outs[0].token_ids) == 3 and len(outs[0].logprobs) == 3
 
 
 def test_bad_engine_options():
@@ -253,6 +287,8 @@ def test_bad_engine_options():
         with pytest.raises(ValueError, match=match): EngineConfig(**kw)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         LLM(tiny_model_dir("llama"), max_model_len=10**6, device="cpu")
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000000 of 16 tokens: the KV cache needs \d+\.\d+ GiB, and cpu has"):
+        LLM(tiny_model_dir("llama"), num_kv_blocks=10**12, device="cpu")  # before it, torch's allocator error (or the OOM killer)
 
 
 def test_model_without_tokenizer_takes_token_ids(tmp_path):
@@ -302,6 +338,18 @@ def test_prefill_graph_length_pads_a_lone_prompt_up_and_leaves_batches_eager():
 
 
 # --- GPU -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_to_device_through_pinned_memory_equals_the_array():
+    "numpy fills the pinned buffer (not torch's threaded pin_memory copy): the same values arrive, at every size and dtype."
+    import numpy as np
+    for arr in (np.zeros(0, np.int32), np.arange(7, dtype=np.int32), np.arange(70_000, dtype=np.int32) * 3 - 5,
+                np.arange(-40, 40, dtype=np.int64).reshape(4, 20), np.random.default_rng(0).integers(-2**31, 2**31, 300_000, np.int64)):
+        t = _to_device(arr, "cuda")
+        assert t.device.type == "cuda" and t.shape == arr.shape
+        assert torch.equal(t.cpu(), torch.from_numpy(arr).pin_memory().cuda().cpu())  # the path it replaced
+
 
 @pytest.mark.gpu
 @needs_gpu

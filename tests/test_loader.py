@@ -87,6 +87,18 @@ def test_missing_tensor_is_reported(tmp_path):
         load_model(tmp_path / "m")
 
 
+def test_a_corrupt_checkpoint_is_a_value_error_naming_the_file(tmp_path):
+    "A truncated download: the error says which file, not safetensors' or json's bare message."
+    shutil.copytree(tiny_model_dir("llama"), tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{f} is not a readable safetensors file"): load_model(tmp_path / "m")
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    for text in ('{"weight_map": ', '{"metadata": {}}', '[1, 2]'):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=f"{index} is not a shard index"): load_model(tmp_path / "m")
+
+
 def test_dummy_weights_are_seeded_and_need_only_a_config(tmp_path):
     (tmp_path / "config.json").write_text((tiny_model_dir("qwen3") / "config.json").read_text())
     a, b = load_model(tmp_path, load_format="dummy"), load_model(tmp_path, load_format="dummy")

@@ -287,6 +287,30 @@ def test_params_are_slotted_and_replace_revalidates():
     with pytest.raises(ValueError, match="max_tokens=0"): dataclasses.replace(p, max_tokens=0)
 
 
+def test_assignment_is_checked_as_construction_is():
+    "A request holds its params while it runs: a later assignment must not slip a bad value past the constructor."
+    p = SamplingParams(max_tokens=4)
+    for field, value in [("max_tokens", 0), ("temperature", float("nan")), ("min_p", 2.0), ("seed", "x"), ("stop", [""]),
+                         ("stop_token_ids", [-1]), ("logprobs", MAX_LOGPROBS + 1)]:
+        with pytest.raises(ValueError, match=f"^{field}="): setattr(p, field, value)
+    assert p == SamplingParams(max_tokens=4)  # every refused assignment left the value as it was
+    p.stop, p.temperature = "##", 0
+    assert p.stop == ("##",) and p.temperature == 0.0 and isinstance(p.temperature, float)
+
+
+def test_numpy_numbers_become_python_numbers():
+    import numpy as np
+    p = SamplingParams(seed=np.int64(3), top_k=np.int32(5), max_tokens=np.int64(4), logprobs=np.int8(2),
+                       temperature=np.float32(0.5), top_p=np.float64(0.9))
+    assert [type(v) for v in (p.seed, p.top_k, p.max_tokens, p.logprobs)] == [int] * 4
+    assert type(p.temperature) is float and type(p.top_p) is float
+    assert torch.Generator().manual_seed(p.seed).initial_seed() == 3  # torch refuses numpy's integers here
+
+
+def test_a_number_too_large_for_a_float_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^temperature=\d+\.\.\.\d+: expected"): SamplingParams(temperature=2**2000)
+
+
 # ---------------------------------------------------------------- stop conditions
 
 def feed(pieces, params, eos=(0,), token_ids=None):

@@ -84,6 +84,8 @@ def free_port() -> int:
 
 def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-5"): client.models.retrieve("gpt-5")
     assert httpx.get(f"{url}/health").status_code == 200
     assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
@@ -344,6 +346,18 @@ BAD_REQUESTS = [
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     (C, {"prompt": [1.0]}, 400, "prompt[0]"),
     (CHAT_PATH, {"messages": [{"content": "hi"}, {"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].role"),
+    # strict types: a boolean or a string is not a number, nor a number a boolean (pydantic's lax mode converts them)
+    (C, {"prompt": "hi", "max_tokens": "3"}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "temperature": True}, 400, "temperature"),
+    (C, {"prompt": "hi", "seed": "1"}, 400, "seed"),
+    (C, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    (C, {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
+    (CHAT_PATH, {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
+    # tools are refused, and so are the messages of a conversation that used them
+    (CHAT_PATH, {"messages": [*CHAT, {"role": "tool", "tool_call_id": "a", "content": "x"}]}, 400, "messages[1]"),
+    (CHAT_PATH, {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]}, 400, "messages[1]"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0]"),
 ]
 
 
@@ -362,6 +376,35 @@ def test_null_means_the_default(url):
                        (CHAT_PATH, {"messages": CHAT, "n": None, "stream": None, "logprobs": None})):
         r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **body}, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_an_assistant_turn_without_content_is_accepted(url):
+    messages = [*CHAT, {"role": "assistant", "content": None}, {"role": "user", "content": "And of Spain?"}]
+    r = httpx.post(f"{url}{CHAT_PATH}", json={"model": MODEL, "messages": messages, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_million_bad_items_are_refused_without_stalling_other_requests(url):
+    "Checks stop at a list's first bad item: pydantic once reported every item of every union branch, for seconds."
+    for path, body, param in ((C, {"prompt": [None] * 10**6}, "prompt[0]"), (CHAT_PATH, {"messages": [None] * 10**6}, "messages[0]"),
+                              (C, {"prompt": "hi", "logit_bias": {str(i): "x" for i in range(300_000)}}, "logit_bias")):
+        start = time.monotonic()
+        r = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert time.monotonic() - start < 5, f"{param}: {time.monotonic() - start:.1f} s"  # 11 s before, on a 2-core CPU
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(served):
+    url, engine = served
+    longest = max(map(len, engine.tokenizer.backend.get_vocab()))
+    for path, body, param in ((C, {"prompt": "a" * (MAX_MODEL_LEN * longest + 1)}, "prompt"),
+                              (CHAT_PATH, {"messages": [{"role": "user", "content": "a" * (MAX_MODEL_LEN * longest // 2 + 1)}] * 2},
+                               "messages")):
+        error = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60).json()["error"]
+        assert error["param"] == param and f"no token of its vocabulary is longer than {longest} characters" in error["message"]
+    # at the bound it is tokenized, and then it is the token count that is too long
+    error = httpx.post(f"{url}{C}", json={"model": MODEL, "prompt": "a" * (MAX_MODEL_LEN * longest)}, timeout=60).json()["error"]
+    assert error["param"] == "prompt" and "maximum context length is 512 tokens. However, you requested" in error["message"]
 
 
 def test_a_too_long_prompt_is_named_once_in_the_message(url):

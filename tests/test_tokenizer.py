@@ -323,6 +323,8 @@ def test_template_errors_become_value_errors():
         tok = Tokenizer(smol().backend, {}, template)
         with pytest.raises(ValueError, match=match):
             tok.apply_chat_template(CHATS[0])
+    with pytest.raises(ValueError, match="could not render.*TypeError"):  # content parts, which SmolLM2's template adds to a str
+        smol().apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
 
 
 def test_missing_tokenizer_json(tmp_path):
@@ -332,9 +334,20 @@ def test_missing_tokenizer_json(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path):
+    copy_tokenizer(tmp_path, small=True)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": ')
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"): load_tokenizer(tmp_path)
+    copy_tokenizer(tmp_path, small=True)
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ValueError, match="tokenizer.json could not be read"): load_tokenizer(tmp_path)
+
+
 def test_encode_rejects_non_strings():
     with pytest.raises(ValueError, match="text"):
         smol().encode([1, 2, 3])
+    with pytest.raises(ValueError, match=r"lone surrogate, '\\ud800' at character 2"):  # UTF-8 cannot encode it
+        smol().encode("ab\ud800c")
 
 
 # --- incremental detokenization ----------------------------------------------------------------------------
