@@ -4,9 +4,11 @@ Chapter 12e's loop calls `Request.output()` for every streaming request after ev
 `DeltaTracker.delta`. With `snapshot=True` (chapter 11b's default) the output carries a copy of the request's whole
 token list, so the cost grows with the tokens generated so far; with `snapshot=False` (what `EngineLoop` asks for) it
 shares the list and only the delta is copied. This times both, with the request's token list and text grown by one
-token (four characters) per step, as a running request's are. It also times the server's side of the pipe:
-chapter 12e's `OutputAssembly.apply`, which rebuilds each cumulative output from its delta and copies the token list
-into it. No model and no GPU: the engine's own objects only.
+token (four characters) per step, as a running request's are. It also times the server's side of the pipe,
+chapter 12e's `OutputAssembly`: `apply`, which adds each delta to the request's lists, and `output`, which makes a
+RequestOutput of them (a copy of the token list) when a stream's reader takes one. Until 2026-11-24 `apply` did both
+for every delta (`results/stream_output_cost_cpu_cb70b54.json` timed that). No model and no GPU: the engine's own
+objects only.
 
     python benchmarks/stream_output_cost.py --out stream_output_cost.json
 
@@ -53,8 +55,8 @@ def us_per_step(num_tokens: int, snapshot: bool) -> float:
     return median_us(step, reset)
 
 
-def us_per_apply(num_tokens: int) -> float:
-    "The same for the server's side of the pipe: OutputAssembly.apply of one token's delta, num_tokens in (a copy of them)."
+def us_per_assembly_call(num_tokens: int, read: bool) -> float:
+    "The server's side of the pipe, num_tokens in: OutputAssembly.apply of one token's delta, or (read) its output()."
     state = {}
 
     def reset():
@@ -63,7 +65,8 @@ def us_per_apply(num_tokens: int) -> float:
 
     def step():
         a = state["a"]
-        state["out"] = a.apply(OutputDelta("r", len(a.text), "abcd", [7], None, False, None, None, None))
+        if read: state["out"] = a.output()  # the one before is freed here, as a reader drops the output it sent
+        else: a.apply(OutputDelta("r", len(a.text), "abcd", [7], None, False, None, None, None))
     return median_us(step, reset)
 
 
@@ -72,7 +75,8 @@ def main(argv=None):
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = [{"output_tokens": n, "us_snapshot": us_per_step(n, True), "us_shared": us_per_step(n, False),
-             "us_server_apply": us_per_apply(n)} for n in LENGTHS]
+             "us_server_apply": us_per_assembly_call(n, read=False), "us_server_read": us_per_assembly_call(n, read=True)}
+            for n in LENGTHS]
     res = {"benchmark": "stream_output_cost", "machine": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -10,7 +10,8 @@ import logging, multiprocessing, os, queue, signal, threading, time
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
-from .async_engine import AsyncLLMEngine, EngineStats, EngineStopped, RequestFailed, _settle, engine_stats, hand_over
+from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
+                                    engine_stats, hand_over)
 from .engine import LLMEngine, RequestMetrics, RequestOutput, _tokenizer_or_none
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,10 @@ class DeltaTracker:
                            None if out.logprobs is None else out.logprobs[n:], out.finished, out.finish_reason,
                            out.error, out.metrics if out.finished else None)
 
-@dataclass
-class OutputAssembly:
-    "The client's copy of one request's output, rebuilt from its deltas."
+@dataclass(eq=False)
+class OutputAssembly(LiveOutput):
+    """The client's copy of one request's output, rebuilt from its deltas on the receiver thread. Its stream holds the
+    assembly itself while the request runs, and makes a RequestOutput of it when the reader takes it (`output`)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list
@@ -55,15 +57,25 @@ class OutputAssembly:
     text: str = ""
     token_ids: list = field(default_factory=list)
     logprobs: list | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # apply and output, on two threads
 
-    def apply(self, d: OutputDelta) -> RequestOutput:
-        "Add a delta; the RequestOutput that the engine would have produced in this process."
-        self.text = self.text[:d.text_start] + d.text
-        self.token_ids += d.token_ids
-        if d.logprobs is not None: self.logprobs = (self.logprobs or []) + d.logprobs
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids),
-                             d.finished, d.finish_reason, d.metrics or RequestMetrics(self.arrival_time),
-                             None if self.logprobs is None else list(self.logprobs), d.error)
+    def apply(self, d: OutputDelta):
+        "Add a delta's text, tokens and log probabilities; the lists grow in place, and none is copied."
+        with self.lock:
+            self.text = self.text[:d.text_start] + d.text
+            self.token_ids += d.token_ids
+            if d.logprobs is not None:
+                if self.logprobs is None: self.logprobs = []
+                self.logprobs += d.logprobs
+
+    def output(self, last: OutputDelta | None = None) -> RequestOutput:
+        "The RequestOutput the engine would have produced: running, or finished by `last`, the request's final delta."
+        done = last is not None and last.finished
+        reason, metrics = (last.finish_reason, last.metrics) if done else (None, None)
+        with self.lock:  # a snapshot: the lists are copied, and no delta lands halfway through
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
+                                 reason, metrics or RequestMetrics(self.arrival_time),
+                                 None if self.logprobs is None else list(self.logprobs), None if last is None else last.error)
 
 # %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:
@@ -261,16 +273,20 @@ def _verdict(self: EngineProcess, request_id: str, refused: str | None, detail, 
     except RuntimeError: pass  # the caller's loop is gone
 
 def _output(self: EngineProcess, items: list, delta: OutputDelta, error: tuple | None):
-    "Apply a delta; the output (or the request's error) joins `items`, with its stream."
-    out = self._assemblies[delta.request_id].apply(delta)
+    """Apply a delta. Its stream gets the assembly, made into an output only when the reader takes it (a newer one
+    replaces an unread one, so most are never made); the last delta sends the final output, or the request's error."""
+    assembly = self._assemblies[delta.request_id]
+    assembly.apply(delta)
+    final = assembly.output(delta) if delta.finished else None
     kind, message = error or (("failed", delta.error) if delta.error else (None, None))
     stream = self._streams.get(delta.request_id)
     if stream is not None:
-        items.append((stream, out if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)))
-    if out.finished:
+        item = assembly if final is None else final
+        items.append((stream, item if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)))
+    if final is not None:
         self._streams.pop(delta.request_id, None)
         del self._assemblies[delta.request_id]
-        self._finished(out)
+        self._finished(final)
 
 def _lost(self: EngineProcess, request_id: str, message: str):
     "A request that finished in a failed step: its stream ends with the step's error."

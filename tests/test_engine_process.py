@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.async_engine import EngineOverloaded, EngineStopped, RequestFailed
+from nanoserve.async_engine import EngineOverloaded, EngineStopped, RequestFailed, RequestStream
 from nanoserve.engine import RequestMetrics, TokenLogprobs
 from nanoserve.engine_process import DeltaTracker, EngineProcess, OutputAssembly, OutputDelta
 from nanoserve.loader import DEFAULT_MODEL
@@ -45,10 +45,41 @@ def test_delta_round_trip_rebuilds_every_output(llm):
     while engine.has_unfinished():
         for out in engine.step():
             a = assemblies.setdefault(out.request_id, OutputAssembly(out.request_id, out.prompt, out.prompt_token_ids, 0.0))
-            rebuilt = a.apply(tracker.delta(out))
+            d = tracker.delta(out)
+            a.apply(d)
+            rebuilt = a.output(d)
             assert (rebuilt.text, rebuilt.token_ids, rebuilt.finished, rebuilt.finish_reason, rebuilt.logprobs) == \
                    (out.text, out.token_ids, out.finished, out.finish_reason, out.logprobs)
     assert not tracker.sent  # finished requests are forgotten
+
+
+def test_a_stream_makes_the_output_of_an_assembly_when_its_reader_takes_it():
+    "The receiver hands over the assembly itself: what the reader gets has every delta applied so far, and is a snapshot."
+    def delta(a, text, ids, *end): return OutputDelta("r", len(a.text), text, ids, None, *end)
+    async def main():
+        stream, a = RequestStream("r", asyncio.get_running_loop()), OutputAssembly("r", "p", [1, 2], 0.0)
+        for i in range(3):
+            a.apply(delta(a, f"t{i}", [i]))
+            stream._deliver(a)
+        assert len(stream.pending) == 1  # an unread running output is replaced, here by itself
+        first = await anext(stream)
+        assert (first.text, first.token_ids, first.finished) == ("t0t1t2", [0, 1, 2], False)
+        a.apply(delta(a, "!", [3]))
+        stream._deliver(a)
+        a.apply(last := delta(a, "", [], True, "length", None, RequestMetrics(0.0)))
+        stream._deliver(a.output(last))
+        second, final = await anext(stream), await anext(stream)
+        assert first.token_ids == [0, 1, 2] and second.token_ids == final.token_ids == [0, 1, 2, 3]  # copies, not views
+        assert not second.finished and (final.finished, final.finish_reason, final.text) == (True, "length", "t0t1t2!")
+        with pytest.raises(StopAsyncIteration): await anext(stream)
+        # a request that fails: its reader gets the output so far, running, and then the error
+        stream, b = RequestStream("f", asyncio.get_running_loop()), OutputAssembly("f", "p", [1], 0.0)
+        b.apply(delta(b, "x", [5]))
+        stream._deliver(b)
+        stream._deliver(RequestFailed("boom"))
+        assert (await anext(stream)).token_ids == [5]
+        with pytest.raises(RequestFailed, match="boom"): await anext(stream)
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
