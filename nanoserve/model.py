@@ -49,7 +49,7 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -59,7 +59,7 @@ class ModelConfig:
 def _architecture(d: dict) -> str:
     "The architecture named by a config dict, from `architectures` or else `model_type`."
     archs = d.get("architectures") or []
-    if archs: return archs[0]
+    if archs: return archs if isinstance(archs, str) else str(archs[0])  # a list, as transformers writes it, or one name
     by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
     return by_type.get(d.get("model_type"), f"<model_type {d.get('model_type')!r}>")
 
@@ -68,6 +68,7 @@ def _rope(d: dict) -> tuple:
     params = dict(d.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
     scaling = d.get("rope_scaling") or params or None
+    if scaling is not None and not isinstance(scaling, dict): raise ValueError(f"rope_scaling={scaling!r}: expected an object")
     if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"): scaling = None
     return theta, scaling
 
@@ -83,11 +84,12 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in d]
     if missing: raise ValueError(f"the model's config lacks {', '.join(missing)}")
     theta, scaling = _rope(d)
-    heads = d["num_attention_heads"]
+    heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads")
+    sizes_ok = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-               num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-               head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+               num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # absent: no GQA
+               head_dim=d.get("head_dim") or (d["hidden_size"] // heads if sizes_ok else d["hidden_size"]),
                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                max_position_embeddings=d.get("max_position_embeddings", 2048),
                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -101,8 +103,8 @@ def _from_json(cls, path) -> "ModelConfig":
     "Read `path` (a config.json, or a checkpoint directory holding one)."
     path = Path(path)
     if path.is_dir(): path = path / "config.json"
-    try: d = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
+    try: d = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e: raise ValueError(f"{path} is not valid JSON in UTF-8: {e}") from None
     try: return cls.from_dict(d)
     except ValueError as e: raise ValueError(f"{path}: {e}") from None
 

@@ -137,7 +137,10 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         "The text of token `ids` (a list or a 1-D tensor), without special tokens if `skip_special_tokens`."
-        return self.backend.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        try: return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError):  # the Rust side takes only unsigned 32-bit ints
+            raise ValueError(f"ids={reprlib.repr(ids)}: expected token ids, integers >= 0") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
                             **template_kwargs):

@@ -62,6 +62,12 @@ def test_config_defaults_and_qwen3_flags():
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size=0"),
     ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0"),  # once read as "absent", so as many as the query heads
+    ({"hidden_size": True}, "hidden_size=True"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),  # once a ZeroDivisionError
+    ({"num_attention_heads": "4"}, "num_attention_heads='4'"),  # once a TypeError
+    ({"rope_scaling": "linear"}, "rope_scaling='linear': expected an object"),  # once an AttributeError
+    ({"architectures": "MistralForCausalLM"}, "architecture 'MistralForCausalLM' is not supported"),  # once 'M'
 ])
 def test_bad_configs_raise_value_error_naming_the_field(change, message):
     d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -79,6 +85,12 @@ def test_a_config_missing_a_key_or_not_json_names_it(tmp_path):
     (tmp_path / "config.json").write_text("{'vocab_size': 10}")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         ModelConfig.from_json(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+    with pytest.raises(ValueError, match="config.json is not valid JSON in UTF-8"):
+        ModelConfig.from_json(tmp_path)
+    d = {"architectures": "LlamaForCausalLM", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 4}
+    assert ModelConfig.from_dict(d).architecture == "LlamaForCausalLM"  # one name, not a list, is read too
 
 
 def test_input_must_be_one_sequence():

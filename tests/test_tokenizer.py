@@ -284,6 +284,8 @@ def test_decode_accepts_tensors():
     import torch
     ids = smol().encode("The capital of France is Paris.")
     assert smol().decode(torch.tensor(ids)) == "The capital of France is Paris."
+    for bad in ([-1], [2**40], [1.5]):  # once the Rust side's OverflowError or TypeError
+        with pytest.raises(ValueError, match="expected token ids, integers >= 0"): smol().decode(bad)
 
 
 def test_import_does_not_import_transformers():
