@@ -29,7 +29,9 @@ class RequestFailed(RuntimeError):
 class LiveOutput:
     """A running request's output that is made when its reader takes it, not when it arrives (chapter 12e): a newer
     one replaces it unread, like a running RequestOutput, and nothing was spent on it."""
-    def output(self) -> RequestOutput: raise NotImplementedError
+    def unread(self) -> RequestOutput | None:
+        "The output now, or None if nothing was added since the last time it was read (it arrived, and was read, early)."
+        raise NotImplementedError
 
 def _replaceable(item) -> bool: return isinstance(item, LiveOutput) or (isinstance(item, RequestOutput) and not item.finished)
 
@@ -55,11 +57,13 @@ class RequestStream:
 
     async def __anext__(self) -> RequestOutput:
         if self.finished: raise StopAsyncIteration
-        while not self.pending:
-            self.ready.clear()
-            await self.ready.wait()
-        item = self.pending.popleft()
-        if isinstance(item, LiveOutput): item = item.output()
+        item = None
+        while item is None:
+            while not self.pending:
+                self.ready.clear()
+                await self.ready.wait()
+            item = self.pending.popleft()
+            if isinstance(item, LiveOutput): item = item.unread()
         self.finished = isinstance(item, BaseException) or item.finished
         if isinstance(item, BaseException): raise item
         return item

@@ -267,7 +267,7 @@ class LLM:
         engine, ids = self.llm_engine, []
         try:
             for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p, stream=False))
-        except Exception as e:  # refuse the whole call, and leave no half-added requests behind
+        except BaseException as e:  # refuse the whole call (a Ctrl-C too), and leave no half-added requests behind
             for i in ids: engine.abort(i)
             if isinstance(e, ValueError): raise ValueError(f"prompt {len(ids)}: {e}") from None
             raise

@@ -58,10 +58,13 @@ class OutputAssembly(LiveOutput):
     token_ids: list = field(default_factory=list)
     logprobs: list | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # apply and output, on two threads
+    applied: int = 0  # deltas that changed the output
+    read: int = 0     # ... of which the stream's reader has seen all by now
 
     def apply(self, d: OutputDelta):
         "Add a delta's text, tokens and log probabilities; the lists grow in place, and none is copied."
         with self.lock:
+            if d.token_ids or d.text or d.text_start != len(self.text): self.applied += 1
             self.text = self.text[:d.text_start] + d.text
             self.token_ids += d.token_ids
             if d.logprobs is not None:
@@ -70,12 +73,21 @@ class OutputAssembly(LiveOutput):
 
     def output(self, last: OutputDelta | None = None) -> RequestOutput:
         "The RequestOutput the engine would have produced: running, or finished by `last`, the request's final delta."
+        with self.lock: return self._snapshot(last)
+
+    def unread(self) -> RequestOutput | None:
+        "The running output for the stream's reader; None if a read already saw every delta applied so far."
+        with self.lock:
+            if self.read == self.applied: return None  # handed over after the delta, read before its hand-over arrived
+            self.read = self.applied
+            return self._snapshot(None)
+
+    def _snapshot(self, last: OutputDelta | None) -> RequestOutput:  # under the lock: no delta lands halfway through
         done = last is not None and last.finished
         reason, metrics = (last.finish_reason, last.metrics) if done else (None, None)
-        with self.lock:  # a snapshot: the lists are copied, and no delta lands halfway through
-            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
-                                 reason, metrics or RequestMetrics(self.arrival_time),
-                                 None if self.logprobs is None else list(self.logprobs), None if last is None else last.error)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
+                             reason, metrics or RequestMetrics(self.arrival_time),
+                             None if self.logprobs is None else list(self.logprobs), None if last is None else last.error)
 
 # %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:

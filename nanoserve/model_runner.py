@@ -149,21 +149,30 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
     return model.eval()
 
 # %% ../chapters/11a_model_runner.ipynb #b2fc0314
-def _memory_bytes(device: torch.device) -> int | None:
-    "All the memory of `device`: the GPU's, or the host's physical memory (None where the OS does not say, as on Windows)."
-    if device.type == "cuda": return torch.cuda.mem_get_info(device)[1]
-    try: return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError): return None
+def _available_bytes(device: torch.device) -> int | None:
+    """The memory `device` can still give: the GPU's free memory; on Linux, the host's MemAvailable, or less if the
+    process's cgroup (a container) has less room left; None where the OS does not say."""
+    if device.type == "cuda": return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f: available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError): return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f: limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f: used = int(f.read())
+        if limit != "max": available = min(available, int(limit) - used)
+    except (OSError, ValueError): pass
+    return available
 
 def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
     "The KV pool, or a ValueError naming num_kv_blocks when the device cannot hold it (not an allocator's error, or the OOM killer)."
-    need, have = num_blocks * block_bytes(cfg, block_size, dtype), _memory_bytes(device)
+    need, have = num_blocks * block_bytes(cfg, block_size, dtype), _available_bytes(device)
     too_big = f"num_kv_blocks={num_blocks} of {block_size} tokens: the KV cache needs {need / 2**30:.2f} GiB"
-    if have is not None and need > have:  # a host's memory is touched page by page: this much would summon the OOM killer
-        raise ValueError(f"{too_big}, and {device} has {have / 2**30:.2f} GiB in all")
+    if have is not None and need > have:  # the pool is zeroed, every page touched: on a host, the OOM killer would answer
+        raise ValueError(f"{too_big}, and {device} has {have / 2**30:.2f} GiB available")
     try: return PagedKVCache.from_config(cfg, num_blocks, block_size, dtype, device)
-    except (RuntimeError, torch.OutOfMemoryError) as e:  # less than that is free now
-        raise ValueError(f"{too_big}, but could not allocate it: {str(e).splitlines()[0]}") from None
+    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, the CPU allocator's "can't allocate memory" on a host
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e): raise
+        raise ValueError(f"{too_big}, which could not be allocated: {str(e).splitlines()[0]}") from None
 
 class ModelRunner:
     "Runs the model over the paged KV cache, one flattened batch per step, and samples a token for each sequence."

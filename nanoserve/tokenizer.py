@@ -129,7 +129,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         "Token ids of `text`; `add_special_tokens` applies the post-processor (a BOS token where the model wants one)."
         if not isinstance(text, str): raise ValueError(f"text={reprlib.repr(text)}: expected a string")
-        try: return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch of one text, not encode: it lets go of the GIL while it works, so other threads run meanwhile
+        try: return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # the Rust tokenizer takes only text that UTF-8 can encode
             bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
             if bad is None: raise

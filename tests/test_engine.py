@@ -252,10 +252,12 @@ def test_generate_leaves_nothing_behind_whatever_a_prompt_raises(default_llm, mo
     engine, add = default_llm.llm_engine, default_llm.llm_engine.add_request
     def add_then_fail(request_id, prompt, *args, **kw):
         if prompt == "boom": raise RuntimeError("boom")
+        if prompt == "^C": raise KeyboardInterrupt
         return add(request_id, prompt, *args, **kw)
     monkeypatch.setattr(engine, "add_request", add_then_fail)
-    with pytest.raises(RuntimeError, match="boom"): default_llm.generate(["Hi", "there", "boom"], use_tqdm=False)
-    assert not engine.has_unfinished() and not engine.requests and engine.scheduler.blocks.num_used_blocks == 0
+    for last, error in (("boom", RuntimeError), ("^C", KeyboardInterrupt)):
+        with pytest.raises(error): default_llm.generate(["Hi", "there", last], use_tqdm=False)
+        assert not engine.has_unfinished() and not engine.requests and engine.scheduler.blocks.num_used_blocks == 0
 
 
 def test_numpy_token_ids_are_one_prompt():
@@ -289,6 +291,21 @@ def test_bad_engine_options():
         LLM(tiny_model_dir("llama"), max_model_len=10**6, device="cpu")
     with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000000 of 16 tokens: the KV cache needs \d+\.\d+ GiB, and cpu has"):
         LLM(tiny_model_dir("llama"), num_kv_blocks=10**12, device="cpu")  # before it, torch's allocator error (or the OOM killer)
+
+
+def test_a_kv_cache_that_cannot_be_allocated_is_a_value_error(monkeypatch):
+    "Where the OS does not say how much memory is left, the allocator's own failure is turned into the same error."
+    import nanoserve.model_runner as mr
+    monkeypatch.setattr(mr, "_available_bytes", lambda device: None)
+    def fail(message):
+        def from_config(*args, **kw): raise RuntimeError(message)
+        monkeypatch.setattr(mr.PagedKVCache, "from_config", from_config)
+    fail("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
+    with pytest.raises(ValueError, match="num_kv_blocks=16 of 16 tokens: .* which could not be allocated: DefaultCPUAllocator"):
+        LLM(tiny_model_dir("llama"), num_kv_blocks=16, device="cpu")
+    fail("an unrelated bug")  # not relabelled as a memory problem
+    with pytest.raises(RuntimeError, match="an unrelated bug"):
+        LLM(tiny_model_dir("llama"), num_kv_blocks=16, device="cpu")
 
 
 def test_model_without_tokenizer_takes_token_ids(tmp_path):

@@ -66,9 +66,11 @@ def test_a_stream_makes_the_output_of_an_assembly_when_its_reader_takes_it():
         assert (first.text, first.token_ids, first.finished) == ("t0t1t2", [0, 1, 2], False)
         a.apply(delta(a, "!", [3]))
         stream._deliver(a)
+        second = await anext(stream)
+        stream._deliver(a)  # the same delta's hand-over, arriving after the reader has seen it: nothing to read
         a.apply(last := delta(a, "", [], True, "length", None, RequestMetrics(0.0)))
         stream._deliver(a.output(last))
-        second, final = await anext(stream), await anext(stream)
+        final = await anext(stream)
         assert first.token_ids == [0, 1, 2] and second.token_ids == final.token_ids == [0, 1, 2, 3]  # copies, not views
         assert not second.finished and (final.finished, final.finish_reason, final.text) == (True, "length", "t0t1t2!")
         with pytest.raises(StopAsyncIteration): await anext(stream)
@@ -80,6 +82,43 @@ def test_a_stream_makes_the_output_of_an_assembly_when_its_reader_takes_it():
         assert (await anext(stream)).token_ids == [5]
         with pytest.raises(RequestFailed, match="boom"): await anext(stream)
     asyncio.run(main())
+
+
+def test_the_receiver_hands_over_assemblies_then_the_final_output_or_the_error():
+    "EngineProcess._output without a child process: what each stream reads, what on_finished gets, what is forgotten."
+    from nanoserve.async_engine import AsyncLLMEngine, hand_over
+    client = EngineProcess.__new__(EngineProcess)  # the receiver's side only: no child process
+    AsyncLLMEngine.__init__(client, None)
+    client._assemblies, finished = {}, []
+    client.on_finished.append(finished.append)
+    async def main():
+        loop = asyncio.get_running_loop()
+        streams = {rid: RequestStream(rid, loop) for rid in ("ok", "failed", "stopped")}
+        for rid, stream in streams.items():
+            client._streams[rid], client._assemblies[rid] = stream, OutputAssembly(rid, "p", [1], 0.0)
+        def step(*deltas):  # one message from the engine process: (request id, text, ids, finished, error tuple)
+            items = []
+            for rid, text, ids, done, error in deltas:
+                a = client._assemblies[rid]
+                client._output(items, OutputDelta(rid, len(a.text), text, ids, None, done, "stop" if done else None, None,
+                                                  RequestMetrics(0.0) if done else None), error)
+            hand_over(items)
+        step(("ok", "a", [5], False, None), ("failed", "x", [7], False, None), ("stopped", "y", [8], False, None))
+        step(("ok", "b", [6], True, None), ("failed", "", [], True, ("failed", "boom")),
+             ("stopped", "", [], True, ("stopped", "shutting down")))
+        await asyncio.sleep(0)  # the hand-overs land
+        reads = {rid: [] for rid in streams}
+        for rid, stream in streams.items():
+            try:
+                async for out in stream: reads[rid].append((out.text, out.token_ids, out.finished))
+            except (RequestFailed, EngineStopped) as e: reads[rid].append(type(e).__name__)
+        return reads
+    reads = asyncio.run(main())
+    assert reads["ok"] == [("ab", [5, 6], False), ("ab", [5, 6], True)]  # read late: all of it, running, then finished
+    assert reads["failed"] == [("x", [7], False), "RequestFailed"] and reads["stopped"] == [("y", [8], False), "EngineStopped"]
+    assert [(o.request_id, o.text, o.finished, o.finish_reason) for o in finished] == \
+           [("ok", "ab", True, "stop"), ("failed", "x", True, "stop"), ("stopped", "y", True, "stop")]
+    assert not client._assemblies and not client._streams
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -1,7 +1,7 @@
 """Chapter 12c: the OpenAI-compatible server on loopback, called through OpenAI's own client (sync and async) and raw
 HTTP: results equal LLM.generate's, streams, 100+ concurrent streams, client disconnects, an engine fault, every error
 status, a schema-driven fuzz that must find no 5xx, and SIGTERM on a `nanoserve serve` process."""
-import asyncio, logging, shutil, signal, socket, subprocess, sys, threading, time
+import asyncio, logging, re, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -9,11 +9,12 @@ import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.loader import DEFAULT_MODEL, resolve_model
-from nanoserve.server import make_server, run_in_thread
+from nanoserve.server import TEXT_MARGIN, make_server, run_in_thread
 from nanoserve.testing import save_tiny_model
 
 MODEL = DEFAULT_MODEL
@@ -353,6 +354,8 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "seed": "1"}, 400, "seed"),
     (C, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     (C, {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
+    (C, {"prompt": "hi", "presence_penalty": "0"}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "best_of": True}, 400, "best_of"),
     (CHAT_PATH, {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
     # tools are refused, and so are the messages of a conversation that used them
     (CHAT_PATH, {"messages": [*CHAT, {"role": "tool", "tool_call_id": "a", "content": "x"}]}, 400, "messages[1]"),
@@ -397,14 +400,26 @@ def test_a_million_bad_items_are_refused_without_stalling_other_requests(url):
 def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(served):
     url, engine = served
     longest = max(map(len, engine.tokenizer.backend.get_vocab()))
-    for path, body, param in ((C, {"prompt": "a" * (MAX_MODEL_LEN * longest + 1)}, "prompt"),
-                              (CHAT_PATH, {"messages": [{"role": "user", "content": "a" * (MAX_MODEL_LEN * longest // 2 + 1)}] * 2},
-                               "messages")):
+    bound = TEXT_MARGIN * MAX_MODEL_LEN * longest
+    for path, body, param in ((C, {"prompt": "a" * (bound + 1)}, "prompt"),
+                              (CHAT_PATH, {"messages": [{"role": "user", "content": "a" * (bound // 2 + 1)}] * 2}, "messages"),
+                              # empty messages: the chat template's own text is what is too long
+                              (CHAT_PATH, {"messages": [{"role": "user", "content": ""}] * (bound // 20)}, "messages")):
         error = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60).json()["error"]
         assert error["param"] == param and f"no token of its vocabulary is longer than {longest} characters" in error["message"]
     # at the bound it is tokenized, and then it is the token count that is too long
-    error = httpx.post(f"{url}{C}", json={"model": MODEL, "prompt": "a" * (MAX_MODEL_LEN * longest)}, timeout=60).json()["error"]
+    error = httpx.post(f"{url}{C}", json={"model": MODEL, "prompt": "a" * bound}, timeout=60).json()["error"]
     assert error["param"] == "prompt" and "maximum context length is 512 tokens. However, you requested" in error["message"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(exclude_categories=("Cs", "Cc")), min_size=1, max_size=400))
+def test_no_token_stands_for_more_characters_than_its_vocabulary_entry(served, text):
+    """What check_chars relies on (before its margin): n tokens never hold more than n times the longest entry's
+    characters. Control characters are left out: SmolLM2's tokenizer drops six of them (U+0004, U+0006, ...)."""
+    tokenizer = served[1].tokenizer
+    longest = max(map(len, tokenizer.backend.get_vocab()))
+    assert len(text) <= len(tokenizer.encode(text, add_special_tokens=False)) * longest
 
 
 def test_a_too_long_prompt_is_named_once_in_the_message(url):
@@ -512,7 +527,10 @@ def test_overload_gets_503_with_retry_after(guarded):
     codes = [r.status_code for r in replies]
     assert set(codes) == {200, 503} and codes.count(503) >= 10, codes
     for r in replies:
-        if r.status_code == 503: assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "service_unavailable"
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "service_unavailable"
+            waiting = int(re.search(r"(\d+) requests are waiting already \(limit 1\)", r.json()["error"]["message"])[1])
+            assert waiting >= 1  # the count that was tested against the limit, not the engine's queue alone (once "0")
         else: assert r.json()["usage"]["completion_tokens"] == 200
     assert wait_until_idle(guarded)["kv_cache_usage_perc"] == 0
 

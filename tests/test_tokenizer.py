@@ -345,6 +345,14 @@ def test_corrupt_tokenizer_files_are_value_errors_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json could not be read"): load_tokenizer(tmp_path)
 
 
+@pytest.mark.parametrize("text", ["The capital of France is Paris.", "<|im_start|>user\nhi<|im_end|>", " leading", "",
+                                  "naïve café 東京 🙂", "a" * 5000])
+def test_encode_equals_the_rust_tokenizers_encode(text):
+    "encode goes through encode_batch (which lets go of the GIL); the ids are encode's, with and without special tokens."
+    for special in (True, False):
+        assert smol().encode(text, add_special_tokens=special) == smol().backend.encode(text, add_special_tokens=special).ids
+
+
 def test_encode_rejects_non_strings():
     with pytest.raises(ValueError, match="text"):
         smol().encode([1, 2, 3])
