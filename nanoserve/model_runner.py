@@ -150,16 +150,16 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
 
 # %% ../chapters/11a_model_runner.ipynb #b2fc0314
 def _available_bytes(device: torch.device) -> int | None:
-    """The memory `device` can still give: the GPU's free memory; on Linux, the host's MemAvailable, or less if the
-    process's cgroup (a container) has less room left; None where the OS does not say."""
+    """The memory `device` can still give: the GPU's free memory; on Linux, the host's MemAvailable, or the process's
+    cgroup (a container's) limit if that is less; None where the OS does not say. Not the limit less the cgroup's
+    usage: that counts page cache, which the kernel gives back, and would refuse pools that fit."""
     if device.type == "cuda": return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f: available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError): return None
     try:
         with open("/sys/fs/cgroup/memory.max") as f: limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f: used = int(f.read())
-        if limit != "max": available = min(available, int(limit) - used)
+        if limit != "max": available = min(available, int(limit))
     except (OSError, ValueError): pass
     return available
 
