@@ -40,13 +40,21 @@ def _check_device(*tensors):
     if any(t.device.type != "cuda" for t in tensors) and not interpreting():
         raise ValueError("the fused kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
 
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps) -> int:
+    "E, after checking a norm's input x (..., E) of a float dtype, its weight (E,) of the same dtype, and eps."
+    if x.dim() == 0 or not x.dtype.is_floating_point: raise ValueError(f"x must be a float tensor (..., E); got {tuple(x.shape)} {x.dtype}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"eps={eps!r}: expected a small positive number")  # 0 would divide a zero row by zero
+    E = x.shape[-1]
+    if weight.shape != (E,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be ({E},) of x's dtype {x.dtype}; got {tuple(weight.shape)} {weight.dtype}")
+    return E
+
 def rms_norm(x: torch.Tensor,  # (..., E)
              weight: torch.Tensor,  # (E,)
              eps: float) -> torch.Tensor:  # -> (..., E), x's dtype
     "RMSNorm of every row of x in one Triton kernel; equals chapter 1's RMSNorm."
-    E = x.shape[-1]
-    if weight.shape != (E,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be ({E},) of x's dtype {x.dtype}; got {tuple(weight.shape)} {weight.dtype}")
+    E = _check_norm(x, weight, eps)
     _check_device(x, weight)
     rows = x.reshape(-1, E)  # a view when x is contiguous
     if rows.stride(-1) != 1: rows = rows.contiguous()
@@ -157,9 +165,7 @@ def add_rms_norm(x: torch.Tensor,  # (T, E): the residual stream
     if h is None: return x, rms_norm(x, weight, eps)
     if x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype:
         raise ValueError(f"x and h must be (T, E) of one dtype; got {tuple(x.shape)} {x.dtype}, {tuple(h.shape)} {h.dtype}")
-    T, E = x.shape
-    if weight.shape != (E,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be ({E},) of x's dtype {x.dtype}; got {tuple(weight.shape)} {weight.dtype}")
+    T, E = len(x), _check_norm(x, weight, eps)
     _check_device(x, h, weight)
     x, h = x.contiguous(), h.contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)

@@ -61,7 +61,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: expected a fraction in (0, 1]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed={self.seed!r}: expected an integer in [-2**63, 2**64), as torch.manual_seed takes")
-        if self.async_scheduling not in (None, True, False):
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):  # not `in`: 1 == True
             raise ValueError(f"async_scheduling={self.async_scheduling!r}: expected True, False or None (on for CUDA)")
 
 # %% ../chapters/11a_model_runner.ipynb #746c55b4

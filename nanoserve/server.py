@@ -370,21 +370,29 @@ def _cause(e: Exception) -> str:
     "Why, when an error was raised from another: FastAPI's 'error parsing the body' hides whether it was UTF-8 or depth."
     return "" if e.__cause__ is None else f": {type(e.__cause__).__name__}: {e.__cause__}"
 
+def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    "Starlette's own errors, with what the request asked for: a bare 'Not Found' does not say which path."
+    detail = str(e.detail) + _cause(e)
+    if e.status_code == 404 and detail == "Not Found": detail = f"Not Found: {request.method} {request.url.path} is no route of this server."
+    if e.status_code == 405 and (allow := (e.headers or {}).get("Allow")):
+        detail = f"Method Not Allowed: {request.url.path} takes {allow}, not {request.method}."
+    return error_response(e.status_code, detail, headers=e.headers)
+
 def add_error_handlers(app: FastAPI):
     "Turn each kind of failure into its OpenAI error object."
     retry = {"Retry-After": "1"}
     handlers = {
-        RequestValidationError: lambda e: validation_error(e),
-        InvalidRequest: lambda e: error_response(400, str(e), e.param),
-        ValueError: lambda e: error_response(400, str(e)),
-        ModelNotFound: lambda e: error_response(404, str(e), "model"),
-        HTTPException: lambda e: error_response(e.status_code, str(e.detail) + _cause(e), headers=e.headers),
-        EngineOverloaded: lambda e: error_response(503, f"The server is overloaded: {e}. Retry later.", headers=retry),
-        EngineStopped: lambda e: error_response(503, f"The server is shutting down: {e}.", headers=retry),
-        RequestFailed: lambda e: error_response(500, str(e)),
+        RequestValidationError: lambda r, e: validation_error(e),
+        InvalidRequest: lambda r, e: error_response(400, str(e), e.param),
+        ValueError: lambda r, e: error_response(400, str(e)),
+        ModelNotFound: lambda r, e: error_response(404, str(e), "model"),
+        HTTPException: _http_error,
+        EngineOverloaded: lambda r, e: error_response(503, f"The server is overloaded: {e}. Retry later.", headers=retry),
+        EngineStopped: lambda r, e: error_response(503, f"The server is shutting down: {e}.", headers=retry),
+        RequestFailed: lambda r, e: error_response(500, str(e)),
     }
     for kind, make in handlers.items():
-        async def handle(request, exc, make=make): return make(exc)
+        async def handle(request, exc, make=make): return make(request, exc)
         app.add_exception_handler(kind, handle)
 
     async def bug(request, exc):

@@ -285,7 +285,8 @@ def test_bad_engine_options():
     for kw, match in [(dict(block_size=12), "power of two"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                       (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(max_num_seqs=65536), "at most 65535 sequences"),
                       (dict(num_kv_blocks=-1), "num_kv_blocks=-1"), (dict(seed=2**70), "seed=1180591620717411303424"),
-                      (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization='0.5'"), (dict(enforce_eager="no"), "enforce_eager='no'")]:
+                      (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization='0.5'"), (dict(enforce_eager="no"), "enforce_eager='no'"),
+                      (dict(async_scheduling=1), "async_scheduling=1")]:
         with pytest.raises(ValueError, match=match): EngineConfig(**kw)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         LLM(tiny_model_dir("llama"), max_model_len=10**6, device="cpu")

@@ -114,6 +114,11 @@ def test_fused_model_equals_unfused(arch):
 def test_bad_arguments():
     x = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"): rms_norm(x, torch.ones(7, device=DEVICE), 1e-6)
+    for eps in (0, -1e-6, None, "x", True, float("nan")):  # once a Triton error, or NaN for a zero row at 0
+        with pytest.raises(ValueError, match="eps="): rms_norm(x, torch.ones(8, device=DEVICE), eps)
+        with pytest.raises(ValueError, match="eps="): add_rms_norm(x, x, torch.ones(8, device=DEVICE), eps)
+    with pytest.raises(ValueError, match="x must be a float tensor"): rms_norm(x.long(), torch.ones(8, device=DEVICE).long(), 1e-6)
+    with pytest.raises(ValueError, match="x must be a float tensor"): rms_norm(x[0, 0], torch.ones(1, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="even D"): rope(torch.randn(2, 1, 7, device=DEVICE), *angles(2, 8))
     with pytest.raises(ValueError, match="cos and sin must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(3, 8))
     with pytest.raises(ValueError, match="even last dim"): silu_and_mul(x[:, :7])

@@ -475,8 +475,9 @@ def test_a_json_body_without_its_content_type_is_told_so(url, headers):
 def test_unknown_paths_and_methods(url):
     r = httpx.get(f"{url}/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.json()["error"]["message"] == "Not Found: GET /v1/nothing-here is no route of this server."
     r = httpx.get(f"{url}/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed: /v1/completions takes POST, not GET."
 
 
 def test_openai_client_raises_its_exceptions(client):
