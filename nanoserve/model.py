@@ -85,11 +85,11 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     if missing: raise ValueError(f"the model's config lacks {', '.join(missing)}")
     theta, scaling = _rope(d)
     heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads")
-    sizes_ok = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
+    divisible = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # absent: no GQA
-               head_dim=d.get("head_dim") or (d["hidden_size"] // heads if sizes_ok else d["hidden_size"]),
+               head_dim=d.get("head_dim") or (d["hidden_size"] // heads if divisible else None),  # None: __post_init__ names the bad size
                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                max_position_embeddings=d.get("max_position_embeddings", 2048),
                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
