@@ -527,6 +527,26 @@ def test_decode_designs_not_adopted_still_match_the_kernel():
     assert max(worst.values()) < 1e-4, worst
 
 
+@pytest.mark.skipif(not interpreting(), reason="the check runs in the interpreter, in float32")
+def test_the_evict_first_variant_differs_from_the_kernel_only_in_its_hint():
+    "benchmarks/decode_cache_hints.py times the library's own source with evict_first on the two cache loads; it computes the same."
+    import importlib.util, inspect
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "benchmarks" / "decode_cache_hints.py"
+    spec = importlib.util.spec_from_file_location("decode_cache_hints", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    variant = module.evict_first_kernels()
+    source = Path(variant.__file__).read_text()
+    assert source.count('eviction_policy="evict_first"') == 2 and "eviction_policy" in inspect.getsource(variant._load_kv_tile.fn)
+    assert source.replace(', eviction_policy="evict_first"', "").replace("from nanoserve.paged_cache", "from .paged_cache") == \
+        Path(kernels.__file__).read_text()
+    q, k_cache, v_cache, bt, ctx, _ = paged_batch([1, 15, 16, 17, 40], [1] * 5, 8, 2, 64, 16, torch.float32, seed=16)
+    for splits in (None, 1, 3):
+        torch.testing.assert_close(variant.paged_decode_attention(q, k_cache, v_cache, bt, ctx, 0.125, num_splits=splits),
+                                   paged_decode_attention(q, k_cache, v_cache, bt, ctx, 0.125, num_splits=splits), rtol=0, atol=0)
+
+
 def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stages():
     "What chapter 13 says of num_stages: Triton's pipeliner gives the decode kernel's gathered tiles (num_stages - 1) // 2 buffers (sm_90)."
     import json, os, subprocess, sys
