@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'TEXT_MARGIN', 'SERVER_GC_THRESHOLD',
            'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five', 'ServerMetrics', 'sse',
-           'failed_event', 'completion_events', 'chat_events', 'EventStream', 'final_output', 'ModelNotFound',
+           'failed_events', 'completion_events', 'chat_events', 'EventStream', 'final_output', 'ModelNotFound',
            'OpenAIServer', 'add_routes', 'add_error_handlers', 'build_app', 'DrainingServer', 'make_server',
            'bound_url', 'serve', 'run_in_thread', 'background_server']
 
@@ -166,12 +166,12 @@ def sse(payload) -> str:
     "One server-sent event: a data line (JSON, or a bare word like [DONE]) and a blank line."
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-def failed_event(error: Exception) -> str:
-    "The event that ends a stream whose request failed after its 200 was sent."
+def failed_events(error: Exception) -> str:
+    "The events that end a stream whose request failed after its 200 was sent: the error, then [DONE] (as vLLM sends them)."
     stopped = isinstance(error, EngineStopped)
     message = f"The server is shutting down: {error}." if stopped else str(error)
     return sse({"error": {"message": message, "type": "service_unavailable" if stopped else "server_error",
-                          "param": None, "code": 503 if stopped else 500}})
+                          "param": None, "code": 503 if stopped else 500}}) + sse("[DONE]")
 
 async def completion_events(outputs, rid: str, model: str, tokenizer, include_usage: bool):
     "The events of a streamed completion, from the request's async iterator of outputs."
@@ -184,7 +184,7 @@ async def completion_events(outputs, rid: str, model: str, tokenizer, include_us
                     yield sse(chunk(rid, model, created, False, [completion_delta(out, tokenizer, text, sent_tokens, end, sent_text)]))
                 sent_text, sent_tokens = len(out.text), end
         except (RequestFailed, EngineStopped) as e:
-            yield failed_event(e)
+            yield failed_events(e)
             return
     if include_usage and out is not None: yield sse(chunk(rid, model, created, False, [], usage(out)))
     yield sse("[DONE]")
@@ -201,7 +201,7 @@ async def chat_events(outputs, rid: str, model: str, tokenizer, include_usage: b
                     yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens, end)]))
                 sent_text, sent_tokens = len(out.text), end
         except (RequestFailed, EngineStopped) as e:
-            yield failed_event(e)
+            yield failed_events(e)
             return
     if out is not None: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {})]))
     if include_usage and out is not None: yield sse(chunk(rid, model, created, True, [], usage(out)))

@@ -308,6 +308,24 @@ def test_a_request_that_fails_in_the_engine_fails_alone(served, client, referenc
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_failed_stream_ends_with_its_error_event_then_done(stopped):
+    "Both stream kinds end a failed request with the error event and then [DONE], as vLLM does."
+    import json
+    from nanoserve.async_engine import EngineStopped, RequestFailed
+    from nanoserve.server import chat_events, completion_events
+    async def failing():
+        raise EngineStopped("stopping") if stopped else RequestFailed("injected fault")
+        yield  # an async generator
+    async def events(make):
+        return [e async for e in make(failing(), "cmpl-1", MODEL, None, True)]
+    for make in (completion_events, chat_events):
+        lines = [line for e in asyncio.run(events(make)) for line in e.splitlines() if line]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert (error["code"], error["type"]) == ((503, "service_unavailable") if stopped else (500, "server_error"))
+        assert lines[-1] == "data: [DONE]" and not any('"usage":{' in line for line in lines)
+
+
 # --- bad input: each error status ------------------------------------------------------------------------------------
 
 C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
