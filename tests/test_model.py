@@ -68,6 +68,9 @@ def test_config_defaults_and_qwen3_flags():
     ({"num_attention_heads": "4"}, "num_attention_heads='4'"),  # once a TypeError
     ({"rope_scaling": "linear"}, "rope_scaling='linear': expected an object"),  # once an AttributeError
     ({"architectures": "MistralForCausalLM"}, "architecture 'MistralForCausalLM' is not supported"),  # once 'M'
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),  # once read as silu, silently
+    ({"rope_theta": [1e6]}, r"rope_theta=\[1000000.0\]: expected a positive number"),  # once a TypeError
+    ({"rope_parameters": {"rope_theta": 0}}, "rope_theta=0: expected a positive number"),
 ])
 def test_bad_configs_raise_value_error_naming_the_field(change, message):
     d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -91,6 +94,45 @@ def test_a_config_missing_a_key_or_not_json_names_it(tmp_path):
     d = {"architectures": "LlamaForCausalLM", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
          "num_hidden_layers": 1, "num_attention_heads": 4}
     assert ModelConfig.from_dict(d).architecture == "LlamaForCausalLM"  # one name, not a list, is read too
+
+
+def _edited_checkpoint(tmp_path, arch, edit, **overrides):
+    "A tiny checkpoint whose config.json `edit` rewrote, as some checkpoints on the hub are written."
+    from nanoserve.testing import save_tiny_model
+    path = save_tiny_model(arch, tmp_path / arch, **overrides)
+    d = json.loads((path / "config.json").read_text())
+    edit(d)
+    (path / "config.json").write_text(json.dumps(d))
+    return path
+
+def _theta_in_rope_scaling(d): d["rope_scaling"] = d.pop("rope_parameters")  # a 5.x dict under the 4.x name
+def _head_dim_absent(d): del d["head_dim"]  # Qwen3's default is 128, not hidden_size / heads
+
+@pytest.mark.parametrize("arch, edit, overrides", [
+    ("qwen3", _theta_in_rope_scaling, {}),  # theta 1e6 once read as 10000
+    ("llama", _theta_in_rope_scaling, {}),  # llama3 scaling and its theta in one dict
+    ("llama", lambda d: None, {"mlp_bias": True}),  # once "6 unexpected: ...mlp.down_proj.bias"
+    ("qwen3", _head_dim_absent, {"head_dim": 128}),  # once "wrong shape: k_norm.weight"
+])
+def test_config_variants_read_as_transformers_reads_them(tmp_path, arch, edit, overrides):
+    from nanoserve.loader import load_model
+    path = _edited_checkpoint(tmp_path, arch, edit, **overrides)
+    ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(path, dtype=torch.float32, device="cpu")(ids), hf_model(path)(ids[None]).logits[0],
+                                   atol=1e-4, rtol=0)
+
+
+def test_architecture_defaults_follow_transformers():
+    from transformers import LlamaConfig, Qwen3Config
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 32}
+    for arch, reference in (("LlamaForCausalLM", LlamaConfig(**base)), ("Qwen3ForCausalLM", Qwen3Config(**base))):
+        ours = ModelConfig.from_dict({"architectures": [arch], **base})
+        ref_head_dim = getattr(reference, "head_dim", None) or 64 // 32
+        assert (ours.head_dim, ours.max_position_embeddings, ours.num_key_value_heads) == \
+            (ref_head_dim, reference.max_position_embeddings, reference.num_key_value_heads), arch
+    c = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base, "rope_theta": None, "max_position_embeddings": None})
+    assert (c.rope_theta, c.max_position_embeddings) == (10000.0, 2048)  # null reads as absent
 
 
 def test_input_must_be_one_sequence():
