@@ -18,7 +18,7 @@ from .loader import load_model, resolve_model
 from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
 @dataclass
@@ -107,8 +107,8 @@ class LLMEngine:
         self.tokenizer = _tokenizer_or_none(c.model)
         self.runner = ModelRunner(self.model, c)
         self.scheduler = Scheduler(self.runner.scheduler_config, BlockManager(self.runner.num_blocks, c.block_size))
-        eos = self.model.config.eos_token_id
-        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset([eos] if isinstance(eos, int) else eos or [])
+        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else \
+            frozenset(generation_eos_token_ids(resolve_model(c.model, config_only=True)))  # token-id prompts only
         self.requests: dict = {}  # request_id -> Request, until it finishes
         self._ids = itertools.count()
         self.step_seconds = dict.fromkeys(("schedule", "prepare_and_launch", "wait_for_gpu", "process_outputs"), 0.0)

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['SPECIAL_TOKEN_NAMES', 'CONTEXT_TOKENS', 'token_content', 'special_tokens', 'extra_special_tokens',
            'bos_eos_processor', 'raise_exception', 'tojson', 'strftime_now', 'compile_chat_template', 'check_messages',
-           'render_chat_template', 'token_ids', 'read_json', 'Tokenizer', 'read_chat_template', 'load_tokenizer',
-           'IncrementalDetokenizer']
+           'render_chat_template', 'token_ids', 'read_json', 'generation_eos_token_ids', 'Tokenizer',
+           'read_chat_template', 'load_tokenizer', 'IncrementalDetokenizer']
 
 # %% ../chapters/06a_tokenizer.ipynb #1f1edc3a
 import json, reprlib
@@ -95,13 +95,25 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool = 
 # %% ../chapters/06a_tokenizer.ipynb #a4a9db91
 def token_ids(value) -> list:
     "An `eos_token_id` as config files store it (None, an int, or a list of ints), as a list."
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+    ids = [] if value is None else [value] if isinstance(value, int) else list(value) if isinstance(value, list) else None
+    if ids is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"eos_token_id={value!r}: expected a token id, a list of token ids, or null")
+    return ids
 
 def read_json(path: Path) -> dict:
     "A JSON file's contents, or {} when the file does not exist."
     if not path.exists(): return {}
     try: return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e: raise ValueError(f"{path} is not valid JSON in UTF-8: {e}") from None  # a truncated download
+
+def generation_eos_token_ids(model_dir: Path) -> list:
+    "The ids that end generation as transformers' `generate` reads them: generation_config.json's, else config.json's."
+    for name in ("generation_config.json", "config.json"):
+        generation = read_json(model_dir / name)
+        if generation: break
+    if not isinstance(generation, dict): raise ValueError(f"{model_dir / name} must hold a JSON object")
+    try: return token_ids(generation.get("eos_token_id"))
+    except ValueError as e: raise ValueError(f"{model_dir / name}: {e}") from None
 
 # %% ../chapters/06a_tokenizer.ipynb #4ba165af
 class Tokenizer:
@@ -173,10 +185,9 @@ def load_tokenizer(model=None) -> Tokenizer:
         raise ValueError(f"model={str(model)!r}: {model_dir} has no tokenizer.json (nanoserve reads only the "
                          "`tokenizers` file, not sentencepiece's tokenizer.model)")
     config = read_json(model_dir / "tokenizer_config.json")
-    generation = read_json(model_dir / "generation_config.json") or read_json(model_dir / "config.json")
     try: backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     except Exception as e: raise ValueError(f"{model_dir / 'tokenizer.json'} could not be read: {e}") from None  # the Rust side's bare Exception
-    return Tokenizer(backend, config, read_chat_template(model_dir, config), generation.get("eos_token_id"),
+    return Tokenizer(backend, config, read_chat_template(model_dir, config), generation_eos_token_ids(model_dir),
                      name=model_dir.name if model is None else str(model))
 
 # %% ../chapters/06a_tokenizer.ipynb #c5bc9184

@@ -52,6 +52,27 @@ def test_default_model_batch_equals_transformers(default_llm):
     assert "Paris" in outs[0].text
 
 
+def test_without_a_tokenizer_the_engine_stops_where_transformers_generate_does(tmp_path):
+    "Token-id prompts only: the stop ids come from generation_config.json, else config.json, as transformers' generate reads them."
+    import json
+    path = save_tiny_model("llama", tmp_path / "m")  # config.json's eos_token_id is 2 (LlamaConfig's default)
+    prompt, hf = random_prompts()[1], hf_model(path)
+    free = hf_greedy(hf, prompt, 20, eos_token_id=None)
+    stop = next(t for t in free[2:] if t not in free[:2])  # a token greedy decoding reaches after a few steps
+    params = SamplingParams(temperature=0, max_tokens=20)
+    def run(): return LLM(path, num_kv_blocks=32, device="cpu").generate([prompt], params, use_tqdm=False)[0]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    out = run()
+    assert out.token_ids == hf_greedy(hf_model(path), prompt, 20) == free[:free.index(stop) + 1] and out.finish_reason == "stop"
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))  # no eos: generate runs to its limit
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
+    assert run().token_ids == hf_greedy(hf_model(path), prompt, 20) == free
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id='2'"):
+        run()
+
+
 def test_tiny_models_batch_equals_transformers(tiny):
     arch, d = tiny
     outs = LLM(d, num_kv_blocks=128, device="cpu").generate(random_prompts(), GREEDY, use_tqdm=False)
