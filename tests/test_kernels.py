@@ -514,29 +514,29 @@ def test_gpu_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(chec
     check_early_launches(chain, kernels)
 
 
+def benchmark_script(name: str):
+    "benchmarks/<name>.py imported as a module."
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.skipif(not interpreting(), reason="the check runs in the interpreter, in float32")
 def test_decode_designs_not_adopted_still_match_the_kernel():
     "benchmarks/decode_alternatives.py (stream-K, interleaved splits, TMA) computes what paged_decode_attention does, so its timings compare like with like."
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).parent.parent / "benchmarks" / "decode_alternatives.py"
-    spec = importlib.util.spec_from_file_location("decode_alternatives", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    worst = module.cpu_check()
+    worst = benchmark_script("decode_alternatives").cpu_check()
     assert max(worst.values()) < 1e-4, worst
 
 
 @pytest.mark.skipif(not interpreting(), reason="the check runs in the interpreter, in float32")
 def test_the_evict_first_variant_differs_from_the_kernel_only_in_its_hint():
     "benchmarks/decode_cache_hints.py times the library's own source with evict_first on the two cache loads; it computes the same."
-    import importlib.util, inspect
+    import inspect
     from pathlib import Path
-    path = Path(__file__).parent.parent / "benchmarks" / "decode_cache_hints.py"
-    spec = importlib.util.spec_from_file_location("decode_cache_hints", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    variant = module.evict_first_kernels()
+    variant = benchmark_script("decode_cache_hints").evict_first_kernels()
     source = Path(variant.__file__).read_text()
     assert source.count('eviction_policy="evict_first"') == 2 and "eviction_policy" in inspect.getsource(variant._load_kv_tile.fn)
     assert source.replace(', eviction_policy="evict_first"', "").replace("from nanoserve.paged_cache", "from .paged_cache") == \
