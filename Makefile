@@ -41,7 +41,7 @@ $(MATHJAX):  ## MathJax from the npm package, so the book renders math offline
 	  && cp -r input/tex/extensions $(CURDIR)/_static/mathjax/input/tex/
 
 generate: model  ## stream one chat answer from the default model
-	$(BIN)/nanoserve generate --chat --prompt "$(PROMPT)" --temperature 0 --show-stats
+	$(BIN)/nanoserve generate --chat --prompt '$(subst ','\'',$(value PROMPT))' --temperature 0 --show-stats
 
 serve: model  ## an OpenAI-compatible server for the default model; SERVE_ARGS="--port 8001 ..." adds flags
 	$(BIN)/nanoserve serve $(SERVE_ARGS)

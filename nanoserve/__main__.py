@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['prepare', 'sampling_params', 'run_generate', 'add_generate_parser', 'add_engine_args', 'engine_options',
-           'run_bench_throughput', 'run_bench_latency', 'add_bench_parser', 'run_serve', 'add_serve_parser',
-           'run_bench_serve', 'add_bench_serve_parser', 'build_parser', 'main']
+           'check_output_path', 'run_bench_throughput', 'run_bench_latency', 'add_bench_parser', 'run_serve',
+           'add_serve_parser', 'run_bench_serve', 'add_bench_serve_parser', 'build_parser', 'main']
 
 # %% ../chapters/90_cli.ipynb #8e7da62b
-import argparse, dataclasses, json, logging, sys
+import argparse, dataclasses, json, logging, os, sys
+from pathlib import Path
 
 from . import __version__
 from .benchmark import latency_benchmark, throughput_benchmark
@@ -30,6 +31,8 @@ def prepare(args) -> int:
     print(f"{args.model or DEFAULT_MODEL}: {path}\n  {cfg.architecture}, {cfg.num_hidden_layers} layers, "
           f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, "
           f"vocab {cfg.vocab_size}, {size / 2**20:.0f} MiB of weights")
+    if not (path / "tokenizer.json").exists():
+        print("  no tokenizer.json: token-id prompts only (`generate` and text prompts need one)")
     return 0
 
 # %% ../chapters/90_cli.ipynb #499a13a9
@@ -80,7 +83,7 @@ def add_engine_args(p):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from --gpu-memory-utilization")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: what --gpu-memory-utilization leaves on a GPU, 1 GiB of cache on a CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -96,26 +99,32 @@ def engine_options(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 # %% ../chapters/90_cli.ipynb #47109d29
+def check_output_path(path):
+    "Refuse, before a benchmark runs, an --output-json that could not be written afterwards."
+    if path is None: return
+    path = Path(path)
+    if path.is_dir(): raise ValueError(f"--output-json {path} is a directory; give a file name")
+    if not path.parent.is_dir(): raise ValueError(f"--output-json {path}: the directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK): raise ValueError(f"--output-json {path}: the directory {path.parent} is not writable")
+
 def _print_json(result: dict, path) -> int:
     "Print a benchmark record, with the command that made it, and write it to `path` when given."
     text = json.dumps({**result, "command": " ".join(["nanoserve", *sys.argv[1:]])}, indent=2, default=str)
     print(text)
-    if path: open(path, "w").write(text + "\n")
+    if path: Path(path).write_text(text + "\n")
     return 0
 
 def run_bench_throughput(args) -> int:
     "Offline throughput on random requests (chapter 11c); JSON to stdout."
-    opts = engine_options(args)
-    if opts["max_model_len"] is None: opts["max_model_len"] = args.input_len_range[1] + args.output_len_range[1]
+    check_output_path(args.output_json)
     return _print_json(throughput_benchmark(args.model, args.num_prompts, args.input_len_range, args.output_len_range,
-                                            compare_hf=args.compare == "hf", **opts), args.output_json)
+                                            compare_hf=args.compare == "hf", **engine_options(args)), args.output_json)
 
 def run_bench_latency(args) -> int:
     "Milliseconds per output token for one batch of fixed-length requests (chapter 11c); JSON to stdout."
-    opts = engine_options(args)
-    if opts["max_model_len"] is None: opts["max_model_len"] = args.input_len + args.output_len
+    check_output_path(args.output_json)
     return _print_json(latency_benchmark(args.model, args.input_len, args.output_len, args.batch_size, args.num_iters,
-                                         **opts), args.output_json)
+                                         **engine_options(args)), args.output_json)
 
 # %% ../chapters/90_cli.ipynb #7d171fa2
 def add_bench_parser(sub):
@@ -143,6 +152,7 @@ def run_serve(args) -> int:
     "Serve the model until SIGTERM or Ctrl-C."
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+    logging.getLogger("nanoserve").setLevel(args.log_level.upper())  # uvicorn's lines follow the same flag
     return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                  timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level,
@@ -167,14 +177,16 @@ def add_serve_parser(sub):
     p.set_defaults(func=run_serve)
 
 def run_bench_serve(args) -> int:
-    "Benchmark a running server (chapter 12d); JSON to stdout, a summary to stderr."
+    "Benchmark a running server (chapter 12d); JSON to stdout, a summary to stderr; exit code 1 if no request completed."
+    check_output_path(args.output_json)
     try:
         res = serve_benchmark(args.base_url, args.model, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                               args.request_rate, args.burstiness, args.max_concurrency, args.goodput, args.vocab_size,
                               args.seed, args.api_key, args.timeout)
     except ConnectionError as e: raise RuntimeError(str(e)) from None
     print(format_summary(res), file=sys.stderr)
-    return _print_json(res, args.output_json)
+    _print_json(res, args.output_json)
+    return 0 if res["completed"] else 1  # a run in which every request failed measured nothing
 
 def add_bench_serve_parser(bench):
     "`bench serve`: vLLM's `bench serve` flags."
@@ -217,12 +229,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's start-up lines, on stderr
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of `bench serve`
+    name = " ".join(filter(None, ("nanoserve", args.command, getattr(args, "bench", None))))  # as argparse names it
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C (and SIGTERM while `serve` starts up): stop quietly, with the shell's code
+        print(file=sys.stderr)
+        return 130
     except ValueError as e:  # the arguments' fault: like argparse, exit code 2
-        parser.exit(2, f"nanoserve {args.command}: error: {e}\n")
-    except (FileNotFoundError, RuntimeError) as e:
-        parser.exit(1, f"nanoserve {args.command}: error: {e}\n")
+        parser.exit(2, f"{name}: error: {e}\n")
+    except (OSError, RuntimeError) as e:  # a missing file, a port in use, no network
+        parser.exit(1, f"{name}: error: {e}\n")
 
 # %% ../chapters/90_cli.ipynb #b0aeb2c0
 if __name__ == "__main__" and __package__ == "nanoserve": sys.exit(main())

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['log', 'EngineOverloaded', 'EngineStopped', 'RequestFailed', 'LiveOutput', 'RequestStream', 'hand_over', 'EngineStats',
-           'engine_stats', 'AsyncLLMEngine']
+           'engine_stats', 'check_max_waiting', 'AsyncLLMEngine', 'drain_deadline']
 
 # %% ../chapters/12a_async_engine.ipynb #3fac61cf
 import asyncio, collections, itertools, logging, queue, threading, time
@@ -98,11 +98,17 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     return EngineStats(s.num_running, s.num_waiting, s.blocks.usage, s.num_preemptions, s.num_steps)
 
 # %% ../chapters/12a_async_engine.ipynb #ef63dae0
+def check_max_waiting(max_waiting):
+    "`max_waiting`, after checking it: None (no limit) or at least 1 (0 would refuse every request)."
+    if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1):
+        raise ValueError(f"max_waiting={max_waiting!r}: expected None (no limit) or an integer >= 1")
+    return max_waiting
+
 class AsyncLLMEngine:
     "An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator."
     def __init__(self, engine: LLMEngine | None,  # None in a subclass whose engine lives elsewhere (chapter 12e)
                  max_waiting: int | None = None):  # waiting requests beyond which add_request raises EngineOverloaded
-        self.engine, self.max_waiting = engine, max_waiting
+        self.engine, self.max_waiting = engine, check_max_waiting(max_waiting)
         self.stats = engine_stats(engine) if engine is not None else EngineStats()
         self.on_finished: list = []  # callbacks f(RequestOutput), run on the engine thread when a request ends
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) and ("abort", id), from any thread
@@ -118,6 +124,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_options(cls, model=None, max_waiting: int | None = None, **engine_options) -> "AsyncLLMEngine":
         "Build the LLMEngine (chapter 11b's options) and wrap it."
+        max_waiting = check_max_waiting(max_waiting)  # before the model loads
         return cls(LLMEngine(model, **engine_options), max_waiting)
 
     is_running = property(lambda self: self._thread is not None and self._thread.is_alive() and self._drain_until is None)
@@ -273,10 +280,15 @@ def _finished(self: AsyncLLMEngine, out: RequestOutput):
 AsyncLLMEngine._step, AsyncLLMEngine._fail_batch, AsyncLLMEngine._finished = _step, _fail_batch, _finished
 
 # %% ../chapters/12a_async_engine.ipynb #367c275e
+def drain_deadline(current: float | None, timeout: float) -> float:
+    "The drain's end after a shutdown(timeout) call: a later call may cut the drain short (a second Ctrl-C), never extend it."
+    deadline = time.monotonic() + timeout
+    return deadline if current is None else min(current, deadline)
+
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
-    self._drain_until = time.monotonic() + timeout
+    self._drain_until = drain_deadline(self._drain_until, timeout)
     self._wake.set()
     self._thread.join()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
-                                    engine_stats, hand_over)
+                                    drain_deadline, engine_stats, hand_over)
 from .engine import LLMEngine, RequestMetrics, RequestOutput, _tokenizer_or_none
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class EngineLoop:
         out = self.engine.abort(request_id)
         if out is not None: self.send_output(out, error)
 
-    def shutdown(self, timeout: float): self.drain_until = time.monotonic() + timeout
+    def shutdown(self, timeout: float): self.drain_until = drain_deadline(self.drain_until, timeout)
 
     def step(self):
         "One engine step; a step that raises fails the requests of its batch, and only those."
@@ -182,11 +182,13 @@ def engine_process_main(conn, model, engine_options: dict):
     "The engine process: build the engine, say it is ready (or why it failed), then run the loop."
     for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=logging.WARNING, format="%(name)s (engine process): %(message)s")
-    try: engine = LLMEngine(model, **engine_options)
-    except Exception as e:
-        conn.send([("failed", type(e).__name__, str(e))])
-        return
-    conn.send([("ready", engine.runner.max_model_len, engine.runner.kv_capacity, engine.runner.summary())])
+    try:
+        try: engine = LLMEngine(model, **engine_options)
+        except Exception as e:
+            conn.send([("failed", type(e).__name__, str(e))])
+            return
+        conn.send([("ready", engine.runner.max_model_len, engine.runner.kv_capacity, engine.runner.summary())])
+    except (BrokenPipeError, ConnectionResetError): return  # the parent gave up while the model loaded: nobody to serve
     EngineLoop(engine, conn).run()
 
 # %% ../chapters/12e_engine_process.ipynb #39daed53
@@ -206,7 +208,11 @@ class EngineProcess(AsyncLLMEngine):
         self._assemblies: dict = {}  # request_id -> OutputAssembly, of requests the engine holds
         self._send_lock, self._shutdown_lock = threading.Lock(), threading.Lock()
         self.step_seconds: dict = {}
-        self.max_model_len, self.kv_capacity, self.summary = self._wait_until_ready()
+        try: self.max_model_len, self.kv_capacity, self.summary = self._wait_until_ready()
+        except BaseException:  # Ctrl-C or SIGTERM while the model loads: the child ignores both, so stop it here
+            if self.process.is_alive(): self.process.kill()
+            self.process.join()
+            raise
         self.tokenizer = _tokenizer_or_none(model)
         log.info("engine process %d: %s", self.process.pid, self.summary)
 
@@ -324,12 +330,13 @@ def _fail_all(self: EngineProcess, stopped: bool):
 
 def _shutdown(self: EngineProcess, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, end the process."
+    deadline = drain_deadline(self._drain_until, timeout)
+    if deadline != self._drain_until:  # the first call, or a later one that cuts the drain short (chapter 12a)
+        self._drain_until = deadline
+        try:
+            with self._send_lock: self._conn.send(("shutdown", timeout))
+        except (OSError, ValueError): pass
     with self._shutdown_lock:  # a server may call this from two threads at once; the second waits, then finds it done
-        if self._drain_until is None:
-            self._drain_until = time.monotonic() + timeout
-            try:
-                with self._send_lock: self._conn.send(("shutdown", timeout))
-            except (OSError, ValueError): pass
         if self._thread is not None: self._thread.join()
         self.process.join(timeout=timeout + 10)
         if self.process.is_alive(): self.process.kill(); self.process.join()

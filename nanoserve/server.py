@@ -6,11 +6,11 @@
 __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'TEXT_MARGIN', 'SERVER_GC_THRESHOLD',
            'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five', 'ServerMetrics', 'sse',
            'failed_events', 'completion_events', 'chat_events', 'EventStream', 'final_output', 'ModelNotFound',
-           'OpenAIServer', 'add_routes', 'add_error_handlers', 'build_app', 'DrainingServer', 'make_server',
-           'bound_url', 'serve', 'run_in_thread', 'background_server']
+           'OpenAIServer', 'add_routes', 'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer',
+           'make_server', 'socket_url', 'bound_url', 'bind_socket', 'serve', 'run_in_thread', 'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
-import asyncio, contextlib, functools, gc, hmac, json, logging, re, signal, threading, time
+import asyncio, contextlib, functools, gc, hmac, json, logging, re, signal, socket, threading, time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -401,9 +401,15 @@ def add_error_handlers(app: FastAPI):
     app.add_exception_handler(Exception, bug)
 
 # %% ../chapters/12c_server.ipynb #34b1e84c
+def check_api_key(api_key):
+    "None (no authentication) or a non-empty string: an empty key, an unset $KEY say, must not serve without one."
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError(f"api_key={api_key!r}: expected a non-empty string, or None for no authentication")
+
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0) -> FastAPI:
     "The FastAPI app that serves `engine` under `model_name`; the engine thread runs while the app does."
+    check_api_key(api_key)
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if engine._thread is None: engine.start()
@@ -416,7 +422,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     add_routes(app, server)
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    if api_key: app.add_middleware(RequireApiKey, api_key=api_key)  # added last, runs first
+    if api_key is not None: app.add_middleware(RequireApiKey, api_key=api_key)  # added last, runs first
     return app
 
 class DrainingServer(uvicorn.Server):
@@ -434,8 +440,17 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None):
         draining = asyncio.ensure_future(asyncio.to_thread(self.engine.shutdown, self.drain_seconds))
+        hurry = asyncio.ensure_future(self._end_drain_on_force_exit(draining))
         await super().shutdown(sockets)  # waits for the connections, which end once the engine has drained
         await draining
+        hurry.cancel()
+        if self.force_exit: await self.lifespan.shutdown()  # uvicorn skips it then; it has nothing left to wait for
+
+    async def _end_drain_on_force_exit(self, draining: asyncio.Future):
+        "A second Ctrl-C (uvicorn's force_exit) ends the drain now: what still runs is aborted with EngineStopped."
+        while not draining.done():
+            if self.force_exit: return await asyncio.to_thread(self.engine.shutdown, 0)
+            await asyncio.sleep(0.1)
 
 def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                 api_key: str | None = None, max_waiting: int = 2048, max_request_bytes: int = 8 * 2**20,
@@ -444,6 +459,7 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
     "Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn server (not started)."
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
+    check_api_key(api_key)  # these are checked again where they are used; here, before the model loads
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}: expected 0 to 65535 (0: any free port)")
     if engine_process:
@@ -455,22 +471,43 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events
     return DrainingServer(config, engine, timeout_graceful_shutdown)
 
+def socket_url(sock: socket.socket) -> str:
+    "The http:// address of a bound socket (its real port, when it was asked for port 0)."
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
 def bound_url(server: uvicorn.Server) -> str:
-    "The http:// address a started server listens on (its real port, when it was asked for port 0)."
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    return f"http://{host}:{port}"
+    "The http:// address a started server listens on."
+    return socket_url(server.servers[0].sockets[0])
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    "A socket bound to host:port, not yet listening: a port in use or an unknown host fails now, before the model loads."
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # uvicorn's rule
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait for TIME_WAIT
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 SERVER_GC_THRESHOLD = 50_000  # allocations between collections of Python's youngest generation here (default 700)
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
     "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
+    def interrupt(*_): raise KeyboardInterrupt  # SIGTERM while the model loads stops the start-up, as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        sock = bind_socket(host, port)
+        try: server = make_server(model, host, port, **options)
+        except BaseException: sock.close(); raise
+    finally: signal.signal(signal.SIGTERM, previous)
     saved_gc = gc.get_threshold()
     gc.set_threshold(SERVER_GC_THRESHOLD, *saved_gc[1:])  # while it serves; the text above says why
-    server = make_server(model, host, port, **options)
-    log.info("serving %s with OpenAI's API at http://%s:%d/v1 (docs at /docs, metrics at /metrics)",
-             server.config.app.state.server.model_name, host, port)
+    log.info("serving %s with OpenAI's API at %s/v1 (docs at /docs, metrics at /metrics)",
+             server.config.app.state.server.model_name, socket_url(sock))
     quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}  # see above
-    try: server.run()
+    try: server.run(sockets=[sock])
     finally:
         for sig, handler in quiet.items(): signal.signal(sig, handler)
         gc.set_threshold(*saved_gc)

@@ -42,3 +42,30 @@ def test_a_request_whose_reader_loop_closed_is_aborted(kind):
         while not finished and time.monotonic() < deadline: time.sleep(0.01)
     finally: engine.shutdown(5)
     assert [out.finish_reason for out in finished] == ["abort"] and len(finished[0].token_ids) < 200
+
+
+@pytest.mark.parametrize("kind", [AsyncLLMEngine, EngineProcess])
+def test_a_second_shutdown_can_end_the_drain_but_never_extend_it(kind):
+    "What a server's second Ctrl-C does: shutdown(0) during a long drain aborts what still runs, now."
+    import threading
+    from nanoserve.async_engine import EngineStopped, drain_deadline
+    soon = time.monotonic() + 1
+    assert drain_deadline(soon, 60) == soon and drain_deadline(soon, 0) < soon and drain_deadline(None, 5) > soon
+    engine = kind.from_options(max_model_len=512, num_kv_blocks=64, device="cpu").start()
+    loop = asyncio.new_event_loop()
+    try:
+        stream = loop.run_until_complete(engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True)))
+        draining = threading.Thread(target=engine.shutdown, args=(120,))
+        draining.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        engine.shutdown(0)
+        draining.join(60)
+        assert not draining.is_alive() and time.monotonic() - start < 30  # not the 120 s drain
+        async def read():
+            async for _ in stream: pass
+        with pytest.raises(EngineStopped):
+            loop.run_until_complete(read())
+    finally:
+        engine.shutdown(0)
+        loop.close()

@@ -61,3 +61,39 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     run = run_cli("generate", *args)
     assert run.returncode == 2, run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["prepare", "./no-such-dir"], "model='./no-such-dir' is neither a local directory"),  # once sent to the hub
+    (["prepare", ""], "model='': expected a directory"),
+    (["bench", "latency", "--input-len", "4", "--output-len", "3", "--batch-size", "4", "--max-num-seqs", "2"],
+     "batch_size=4 is more than max_num_seqs=2"),
+    (["bench", "throughput", "--input-len-range", "8", "4", "--output-len-range", "2", "4"], "input_len=(8, 4)"),
+    (["bench", "latency", "--input-len", "8000", "--output-len", "500"], "the longest request needs 8500 positions"),
+    (["bench", "latency", "--output-json", "."], "--output-json . is a directory"),
+    (["bench", "serve", "--output-json", "/no/such/dir/x.json"], "the directory /no/such/dir does not exist"),
+    (["serve", "--port", "0", "--api-key", ""], "api_key='': expected a non-empty string"),  # once: no authentication
+    (["serve", "--port", "0", "--max-waiting", "0"], "max_waiting=0: expected None (no limit) or an integer >= 1"),
+])
+def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
+    "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and "KV cache" not in err, err
+    assert err.splitlines()[-1].startswith("nanoserve " + " ".join(args[:2] if args[0] == "bench" else args[:1]) + ": error:")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_generate_quietly():
+    import signal, time
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "generate", "--prompt", "Once upon a time", "--max-new-tokens", "2000",
+                             "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # streaming: the model has loaded
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err

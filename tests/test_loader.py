@@ -136,6 +136,11 @@ def test_cuda_without_a_gpu_is_a_value_error():
     ("no/such/dir/at/all", ValueError, "neither a local directory"),
     ("Qwen/Qwen3-0.6B", RuntimeError, "could not download 'Qwen/Qwen3-0.6B'.*default model"),
     ("no_such_dir/model", RuntimeError, "no local directory 'no_such_dir/model' either"),
+    ("./no_such_dir", ValueError, "neither a local directory"),  # a relative path, not a hub id: once sent to the hub
+    ("../models/x", ValueError, "neither a local directory"),
+    ("org/name.", ValueError, "neither a local directory"),  # the hub refuses these names too
+    ("a--b/c", ValueError, "neither a local directory"),
+    ("", ValueError, "model='': expected a directory"),  # once read as the current directory
 ])
 def test_bad_model_arguments(bad, error, match):
     with pytest.raises(error, match=match):

@@ -256,6 +256,15 @@ def test_failures_are_recorded(fake, model, error):
     assert error in msg and count == 3
 
 
+def test_the_command_exits_1_when_no_request_completed(fake, capsys):
+    from nanoserve.__main__ import main
+    _, url = fake
+    args = ["bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len", "4", "--output-len", "3"]
+    assert main([*args, "--model", "bad"]) == 1  # measured nothing: a script must not take it for a result
+    assert json.loads(capsys.readouterr().out)["failed"] == 2  # the record is printed all the same
+    assert main([*args, "--model", "ok"]) == 0
+
+
 def test_mixed_failures_do_not_stop_the_run(fake):
     _, url = fake
     res = serve_benchmark(url, model="mixed", num_prompts=24, input_len=4, output_len=5, vocab_size=8, seed=5, goodput="e2el:10000")

@@ -1,7 +1,7 @@
 """Chapter 12c: the OpenAI-compatible server on loopback, called through OpenAI's own client (sync and async) and raw
 HTTP: results equal LLM.generate's, streams, 100+ concurrent streams, client disconnects, an engine fault, every error
 status, a schema-driven fuzz that must find no 5xx, and SIGTERM on a `nanoserve serve` process."""
-import asyncio, logging, re, shutil, signal, socket, subprocess, sys, threading, time
+import asyncio, json, logging, os, re, shutil, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -311,7 +311,6 @@ def test_a_request_that_fails_in_the_engine_fails_alone(served, client, referenc
 @pytest.mark.parametrize("stopped", [False, True])
 def test_a_failed_stream_ends_with_its_error_event_then_done(stopped):
     "Both stream kinds end a failed request with the error event and then [DONE], as vLLM does."
-    import json
     from nanoserve.async_engine import EngineStopped, RequestFailed
     from nanoserve.server import chat_events, completion_events
     async def failing():
@@ -628,6 +627,77 @@ def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process)
     assert "Traceback" not in out, out
 
 
+def _children(pid: int) -> list:
+    "The pids of a process's children (Linux)."
+    try: return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError: return []
+
+def _cmdline(pid: int) -> str:
+    try: return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError: return ""
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_drain_at_once():
+    "Ctrl-C drains for --timeout-graceful-shutdown seconds; a second Ctrl-C (uvicorn's force exit) aborts what still runs now."
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu",
+                             "--max-model-len", "2048", "--num-kv-blocks", "160", "--timeout-graceful-shutdown", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200: break
+            except httpx.HTTPError: pass
+            assert proc.poll() is None and time.monotonic() < deadline, "no start"
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            events = r.iter_lines()
+            assert next(e for e in events if e.startswith("data:"))  # running
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rest = [e for e in events if e.startswith("data:")]
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - start < 15  # not the 60 s drain
+        assert "shutting down" in json.loads(rest[-2][5:])["error"]["message"] and rest[-1] == "data: [DONE]"
+    finally:
+        if proc.poll() is None: proc.kill()
+        out = proc.stdout.read()
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_stops_the_engine_process_too():
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--device", "cpu", "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, engine = time.monotonic() + 60, []
+        while not engine:  # the engine process has started (beside multiprocessing's resource tracker): the model is loading
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine process"
+            time.sleep(0.02)
+            engine = [c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (130, 0)  # 0 if the model had loaded already and the server drained instead
+        assert not os.path.exists(f"/proc/{engine[0]}") or "spawn_main" not in _cmdline(engine[0])  # not left loading alone
+    finally:
+        if proc.poll() is None: proc.kill()
+        out = proc.stdout.read()
+    assert "Traceback" not in out, out
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu"],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert "KV cache" not in run.stderr and "Traceback" not in run.stderr and time.monotonic() - start < 60
+
+
 def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch):
     "`nanoserve serve` raises the first GC threshold while it serves (streaming outputs make many young token lists), then restores it."
     import gc
@@ -640,12 +710,12 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
                 class state:
                     class server: model_name = "m"
         class engine: error = None
-        def run(self): seen["threshold"] = gc.get_threshold()
+        def run(self, sockets=None): seen["threshold"] = gc.get_threshold()
 
     saved = gc.get_threshold()
     monkeypatch.setattr(server_module, "make_server", lambda *a, **k: FakeServer())
     try:
-        assert server_module.serve() == 0
+        assert server_module.serve(port=0) == 0
         restored = gc.get_threshold()
     finally:
         gc.set_threshold(*saved)
