@@ -117,6 +117,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._drain_until: float | None = None  # set by shutdown: finish running requests until then
+        self._deadline_lock = threading.Lock()  # shutdown may be called from several threads at once
         self._closed = False  # set, under _admission, when the engine takes no more commands
         self._admission = threading.Lock()  # so that no add slips into the queue after the engine's last look at it
         self.error: BaseException | None = None  # what killed the engine thread, if anything did
@@ -288,7 +289,7 @@ def drain_deadline(current: float | None, timeout: float) -> float:
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
-    self._drain_until = drain_deadline(self._drain_until, timeout)
+    with self._deadline_lock: self._drain_until = drain_deadline(self._drain_until, timeout)
     self._wake.set()
     self._thread.join()
 

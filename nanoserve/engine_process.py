@@ -202,16 +202,18 @@ class EngineProcess(AsyncLLMEngine):
         self._conn, child_end = context.Pipe()
         self.process = context.Process(target=engine_process_main, args=(child_end, model, engine_options),
                                        name="nanoserve-engine", daemon=True)
-        self.process.start()
-        child_end.close()
         self._pending: dict = {}     # request_id -> (stream, future, prompt): adds sent, verdict not back yet
         self._assemblies: dict = {}  # request_id -> OutputAssembly, of requests the engine holds
         self._send_lock, self._shutdown_lock = threading.Lock(), threading.Lock()
         self.step_seconds: dict = {}
-        try: self.max_model_len, self.kv_capacity, self.summary = self._wait_until_ready()
+        try:
+            self.process.start()
+            child_end.close()
+            self.max_model_len, self.kv_capacity, self.summary = self._wait_until_ready()
         except BaseException:  # Ctrl-C or SIGTERM while the model loads: the child ignores both, so stop it here
-            if self.process.is_alive(): self.process.kill()
-            self.process.join()
+            if self.process.pid is not None:  # started
+                self.process.kill()
+                self.process.join()
             raise
         self.tokenizer = _tokenizer_or_none(model)
         log.info("engine process %d: %s", self.process.pid, self.summary)
@@ -330,9 +332,10 @@ def _fail_all(self: EngineProcess, stopped: bool):
 
 def _shutdown(self: EngineProcess, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, end the process."
-    deadline = drain_deadline(self._drain_until, timeout)
-    if deadline != self._drain_until:  # the first call, or a later one that cuts the drain short (chapter 12a)
-        self._drain_until = deadline
+    with self._deadline_lock:  # shutdown may be called from several threads at once
+        deadline = drain_deadline(self._drain_until, timeout)
+        changed, self._drain_until = deadline != self._drain_until, deadline
+    if changed:  # the first call, or a later one that cuts the drain short (chapter 12a)
         try:
             with self._send_lock: self._conn.send(("shutdown", timeout))
         except (OSError, ValueError): pass

@@ -96,20 +96,22 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in d]
     if missing: raise ValueError(f"the model's config lacks {', '.join(missing)}")
     theta, scaling = _rope(d)
-    defaults = ARCHITECTURE_DEFAULTS[SUPPORTED_ARCHITECTURES[arch]]
-    given = lambda key: d[key] if d.get(key) is not None else defaults.get(key)  # null reads as absent
+    family = SUPPORTED_ARCHITECTURES[arch]
+    defaults = ARCHITECTURE_DEFAULTS[family]
+    given = lambda key: d[key] if key in d else defaults.get(key)  # only a key left out takes the family's default
     heads, kv_heads = d["num_attention_heads"], given("num_key_value_heads")
     divisible = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-               num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # absent: no GQA
+               num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # null: no GQA
                head_dim=given("head_dim") or (d["hidden_size"] // heads if divisible else None),  # None: __post_init__ names the bad size
                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-               max_position_embeddings=given("max_position_embeddings"),
+               max_position_embeddings=defaults["max_position_embeddings"] if d.get("max_position_embeddings") is None
+                                       else d["max_position_embeddings"],
                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-               attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias") or False),
+               attention_bias=bool(d.get("attention_bias", False)), mlp_bias=family == "llama" and bool(d.get("mlp_bias")),  # Qwen3's MLP has none
                hidden_act=d.get("hidden_act") or "silu",
-               qk_norm=SUPPORTED_ARCHITECTURES[arch] == "qwen3",
+               qk_norm=family == "qwen3",
                torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"))
 

@@ -7,7 +7,8 @@ __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E
            'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five', 'ServerMetrics', 'sse',
            'failed_events', 'completion_events', 'chat_events', 'EventStream', 'final_output', 'ModelNotFound',
            'OpenAIServer', 'add_routes', 'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer',
-           'make_server', 'socket_url', 'bound_url', 'bind_socket', 'serve', 'run_in_thread', 'background_server']
+           'check_port', 'make_server', 'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread',
+           'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
 import asyncio, contextlib, functools, gc, hmac, json, logging, re, signal, socket, threading, time
@@ -452,6 +453,10 @@ class DrainingServer(uvicorn.Server):
             if self.force_exit: return await asyncio.to_thread(self.engine.shutdown, 0)
             await asyncio.sleep(0.1)
 
+def check_port(port):
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r}: expected 0 to 65535 (0: any free port)")
+
 def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                 api_key: str | None = None, max_waiting: int = 2048, max_request_bytes: int = 8 * 2**20,
                 timeout_graceful_shutdown: float = 30.0, log_level: str = "info", engine_process: bool = False,
@@ -460,8 +465,7 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
     check_api_key(api_key)  # these are checked again where they are used; here, before the model loads
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port={port!r}: expected 0 to 65535 (0: any free port)")
+    check_port(port)
     if engine_process:
         from nanoserve.engine_process import EngineProcess  # chapter 12e, which builds on this one
         engine = EngineProcess(model, max_waiting, **engine_options)
@@ -480,36 +484,48 @@ def bound_url(server: uvicorn.Server) -> str:
     "The http:// address a started server listens on."
     return socket_url(server.servers[0].sockets[0])
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    "A socket bound to host:port, not yet listening: a port in use or an unknown host fails now, before the model loads."
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # uvicorn's rule
+def listen(host: str, port: int, backlog: int = 2048) -> list:
+    """Listening sockets on host:port, made as asyncio would make them for uvicorn (one per address the host resolves
+    to; IPv6 ones IPv6-only), but now: a port in use or an unknown host fails before the model loads, and the port is
+    held from then on (connections made while the model loads wait in the backlog)."""
+    check_port(port)
+    sockets = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait for TIME_WAIT
-        sock.bind((host, port))
+        for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                                 flags=socket.AI_PASSIVE)):
+            sockets.append(sock := socket.socket(family, kind, proto))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait for TIME_WAIT
+            if family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)  # listening, the port is ours: SO_REUSEADDR lets no one else bind it now
     except OSError as e:
-        sock.close()
+        for sock in sockets: sock.close()
         raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+    return sockets
 
 SERVER_GC_THRESHOLD = 50_000  # allocations between collections of Python's youngest generation here (default 700)
 
+def _stop_starting(sig, frame):
+    "While the model loads: Ctrl-C is KeyboardInterrupt as ever, and SIGTERM ends the process with its usual status, 143."
+    if sig == signal.SIGINT: raise KeyboardInterrupt
+    raise SystemExit(128 + sig)
+
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
     "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
-    def interrupt(*_): raise KeyboardInterrupt  # SIGTERM while the model loads stops the start-up, as Ctrl-C does
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    saved_handlers = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved_gc, server = gc.get_threshold(), None
+    sockets = listen(host, port)
     try:
-        sock = bind_socket(host, port)
-        try: server = make_server(model, host, port, **options)
-        except BaseException: sock.close(); raise
-    finally: signal.signal(signal.SIGTERM, previous)
-    saved_gc = gc.get_threshold()
-    gc.set_threshold(SERVER_GC_THRESHOLD, *saved_gc[1:])  # while it serves; the text above says why
-    log.info("serving %s with OpenAI's API at %s/v1 (docs at /docs, metrics at /metrics)",
-             server.config.app.state.server.model_name, socket_url(sock))
-    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}  # see above
-    try: server.run(sockets=[sock])
+        server = make_server(model, host, port, **options)
+        for sig in saved_handlers: signal.signal(sig, server.handle_exit)  # see above; uvicorn installs the same while it runs
+        gc.set_threshold(SERVER_GC_THRESHOLD, *saved_gc[1:])  # while it serves; the text above says why
+        log.info("serving %s with OpenAI's API at %s/v1 (docs at /docs, metrics at /metrics)",
+                 server.config.app.state.server.model_name, socket_url(sockets[0]))
+        server.run(sockets=sockets)
     finally:
-        for sig, handler in quiet.items(): signal.signal(sig, handler)
+        if server is not None: server.engine.shutdown(0)  # nothing to do after a clean stop; else nothing is left running
+        for sock in sockets: sock.close()
+        for sig, handler in saved_handlers.items(): signal.signal(sig, handler)
         gc.set_threshold(*saved_gc)
     return 1 if server.engine.error is not None else 0  # a dead engine is a failure the supervisor should see
 

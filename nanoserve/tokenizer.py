@@ -95,7 +95,7 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool = 
 # %% ../chapters/06a_tokenizer.ipynb #a4a9db91
 def token_ids(value) -> list:
     "An `eos_token_id` as config files store it (None, an int, or a list of ints), as a list."
-    ids = [] if value is None else [value] if isinstance(value, int) else list(value) if isinstance(value, list) else None
+    ids = [] if value is None else [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple, set, frozenset)) else None
     if ids is None or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"eos_token_id={value!r}: expected a token id, a list of token ids, or null")
     return ids

@@ -51,13 +51,14 @@ def test_a_second_shutdown_can_end_the_drain_but_never_extend_it(kind):
     from nanoserve.async_engine import EngineStopped, drain_deadline
     soon = time.monotonic() + 1
     assert drain_deadline(soon, 60) == soon and drain_deadline(soon, 0) < soon and drain_deadline(None, 5) > soon
-    engine = kind.from_options(max_model_len=512, num_kv_blocks=64, device="cpu").start()
+    engine = kind.from_options(max_model_len=2048, num_kv_blocks=160, device="cpu").start()
     loop = asyncio.new_event_loop()
     try:
-        stream = loop.run_until_complete(engine.add_request("Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True)))
+        stream = loop.run_until_complete(engine.add_request("Once upon a time", SamplingParams(max_tokens=2000, ignore_eos=True)))
         draining = threading.Thread(target=engine.shutdown, args=(120,))
         draining.start()
         time.sleep(0.5)
+        assert draining.is_alive()  # 2000 tokens are still being made: the drain has something to cut short
         start = time.monotonic()
         engine.shutdown(0)
         draining.join(60)

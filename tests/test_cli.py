@@ -74,6 +74,7 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     (["bench", "serve", "--output-json", "/no/such/dir/x.json"], "the directory /no/such/dir does not exist"),
     (["serve", "--port", "0", "--api-key", ""], "api_key='': expected a non-empty string"),  # once: no authentication
     (["serve", "--port", "0", "--max-waiting", "0"], "max_waiting=0: expected None (no limit) or an integer >= 1"),
+    (["serve", "--port", "70000"], "port=70000: expected 0 to 65535"),  # once an OverflowError from bind
 ])
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
     "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."

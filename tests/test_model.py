@@ -133,6 +133,10 @@ def test_architecture_defaults_follow_transformers():
             (ref_head_dim, reference.max_position_embeddings, reference.num_key_value_heads), arch
     c = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base, "rope_theta": None, "max_position_embeddings": None})
     assert (c.rope_theta, c.max_position_embeddings) == (10000.0, 2048)  # null reads as absent
+    given = {"num_key_value_heads": None, "mlp_bias": True}  # transformers: a null K means K = H; Qwen3's MLP has no bias
+    reference = Qwen3Config(**base, **given)
+    ours = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], **base, **given})
+    assert (ours.num_key_value_heads, ours.mlp_bias) == (reference.num_key_value_heads, False) == (32, False)
 
 
 def test_input_must_be_one_sequence():

@@ -670,6 +670,7 @@ def test_a_second_ctrl_c_ends_the_drain_at_once():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs /proc/PID/task/PID/children")
 def test_sigterm_while_the_model_loads_stops_the_engine_process_too():
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--device", "cpu", "--max-model-len", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -680,12 +681,21 @@ def test_sigterm_while_the_model_loads_stops_the_engine_process_too():
             time.sleep(0.02)
             engine = [c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (130, 0)  # 0 if the model had loaded already and the server drained instead
+        assert proc.wait(timeout=30) in (143, 0)  # SIGTERM's usual status; 0 if the model had loaded and the server drained
         assert not os.path.exists(f"/proc/{engine[0]}") or "spawn_main" not in _cmdline(engine[0])  # not left loading alone
     finally:
         if proc.poll() is None: proc.kill()
         out = proc.stdout.read()
     assert "Traceback" not in out, out
+
+
+def test_the_port_is_held_from_before_the_model_loads():
+    from nanoserve.server import listen
+    [held] = listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(RuntimeError, match="Address already in use"):  # SO_REUSEADDR, as uvicorn and asyncio set it
+            listen("127.0.0.1", held.getsockname()[1])
+    finally: held.close()
 
 
 def test_serve_refuses_a_port_in_use_before_loading_the_model():
@@ -709,7 +719,10 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
             class app:
                 class state:
                     class server: model_name = "m"
-        class engine: error = None
+        class engine:
+            error = None
+            def shutdown(timeout): seen["shutdown"] = timeout
+        def handle_exit(self, sig, frame): pass
         def run(self, sockets=None): seen["threshold"] = gc.get_threshold()
 
     saved = gc.get_threshold()
@@ -720,4 +733,5 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
     finally:
         gc.set_threshold(*saved)
     assert seen["threshold"] == (server_module.SERVER_GC_THRESHOLD, *saved[1:]) and server_module.SERVER_GC_THRESHOLD > saved[0]
+    assert seen["shutdown"] == 0  # serve leaves no engine running, however the server ends
     assert restored == saved  # only while it serves
