@@ -286,10 +286,17 @@ def drain_deadline(current: float | None, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     return deadline if current is None else min(current, deadline)
 
+def _move_drain_deadline(self: AsyncLLMEngine, timeout: float) -> bool:
+    "Set the drain's end as a shutdown(timeout) call does (from any thread); whether it moved."
+    with self._deadline_lock:
+        deadline = drain_deadline(self._drain_until, timeout)
+        moved, self._drain_until = deadline != self._drain_until, deadline
+    return moved
+
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
     if self._thread is None: return
-    with self._deadline_lock: self._drain_until = drain_deadline(self._drain_until, timeout)
+    self._move_drain_deadline(timeout)
     self._wake.set()
     self._thread.join()
 
@@ -324,4 +331,5 @@ def _refuse_queued(self: AsyncLLMEngine, error: EngineStopped):
             try: stream.loop.call_soon_threadsafe(_settle, accepted, error)
             except RuntimeError: pass
 
-AsyncLLMEngine.shutdown, AsyncLLMEngine._close, AsyncLLMEngine._refuse_queued = _shutdown, _close, _refuse_queued
+AsyncLLMEngine.shutdown, AsyncLLMEngine._move_drain_deadline = _shutdown, _move_drain_deadline
+AsyncLLMEngine._close, AsyncLLMEngine._refuse_queued = _close, _refuse_queued

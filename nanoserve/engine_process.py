@@ -332,10 +332,7 @@ def _fail_all(self: EngineProcess, stopped: bool):
 
 def _shutdown(self: EngineProcess, timeout: float = 30.0):
     "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, end the process."
-    with self._deadline_lock:  # shutdown may be called from several threads at once
-        deadline = drain_deadline(self._drain_until, timeout)
-        changed, self._drain_until = deadline != self._drain_until, deadline
-    if changed:  # the first call, or a later one that cuts the drain short (chapter 12a)
+    if self._move_drain_deadline(timeout):  # the first call, or a later one that cuts the drain short (chapter 12a)
         try:
             with self._send_lock: self._conn.send(("shutdown", timeout))
         except (OSError, ValueError): pass

@@ -512,9 +512,9 @@ def _stop_starting(sig, frame):
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
     "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
+    sockets = listen(host, port)
     saved_handlers = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
     saved_gc, server = gc.get_threshold(), None
-    sockets = listen(host, port)
     try:
         server = make_server(model, host, port, **options)
         for sig in saved_handlers: signal.signal(sig, server.handle_exit)  # see above; uvicorn installs the same while it runs
