@@ -195,6 +195,7 @@ def engine_process_main(conn, model, engine_options: dict):
 class EngineProcess(AsyncLLMEngine):
     "AsyncLLMEngine's interface with the engine in a child process; only commands and output deltas cross."
     tokenizer, max_model_len, kv_capacity = None, 0, 0  # instance attributes here (the base class reads them from its engine)
+    exit_grace = 10.0  # seconds past the drain's end that the engine process has to stop before shutdown kills it
 
     def __init__(self, model=None, max_waiting: int | None = None, **engine_options):
         super().__init__(None, max_waiting)
@@ -206,6 +207,7 @@ class EngineProcess(AsyncLLMEngine):
         self._assemblies: dict = {}  # request_id -> OutputAssembly, of requests the engine holds
         self._send_lock, self._shutdown_lock = threading.Lock(), threading.Lock()
         self.step_seconds: dict = {}
+        self._killed = False  # by shutdown, which waited exit_grace seconds past the drain's end
         try:
             self.process.start()
             child_end.close()
@@ -322,7 +324,9 @@ def _fail_all(self: EngineProcess, stopped: bool):
     if stopped: error = EngineStopped("the engine stopped before this request finished")
     else:
         self.process.join(timeout=5)
-        self.error = error = RequestFailed(f"the engine process died (exit code {self.process.exitcode})")
+        how = (f"did not stop within {self.exit_grace:g} s of the shutdown deadline and was killed" if self._killed
+               else f"died (exit code {self.process.exitcode})")
+        self.error = error = RequestFailed(f"the engine process {how}")
         log.error("%s; failing %d requests", error, len(self._streams) + len(self._pending))
     for request_id, (stream, accepted, _) in list(self._pending.items()):
         try: stream.loop.call_soon_threadsafe(_settle, accepted, EngineStopped(str(error)))
@@ -337,9 +341,14 @@ def _shutdown(self: EngineProcess, timeout: float = 30.0):
             with self._send_lock: self._conn.send(("shutdown", timeout))
         except (OSError, ValueError): pass
     with self._shutdown_lock:  # a server may call this from two threads at once; the second waits, then finds it done
-        if self._thread is not None: self._thread.join()
-        self.process.join(timeout=timeout + 10)
-        if self.process.is_alive(): self.process.kill(); self.process.join()
+        while self.process.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
+            self.process.join(timeout=0.1)  # a second call (a second Ctrl-C) may bring the deadline forward meanwhile
+        if self.process.is_alive():  # stuck inside a step, so it never reads the shutdown: a hung device, say
+            log.warning("the engine process did not stop within %g s of the shutdown deadline; killing it", self.exit_grace)
+            self._killed = True
+            self.process.kill()
+        self.process.join()
+        if self._thread is not None: self._thread.join()  # it ends at the pipe's last message, or at its end
         if not self._conn.closed: self._conn.close()
 
 EngineProcess.start, EngineProcess._receive, EngineProcess._verdict, EngineProcess._output = _start, _receive, _verdict, _output

@@ -262,6 +262,29 @@ def test_a_killed_engine_process_fails_its_requests_and_stops_the_client():
     engine.shutdown(1)
 
 
+def test_shutdown_kills_an_engine_process_stuck_in_a_step():
+    "A stopped child never reads the shutdown: it is killed exit_grace seconds past the deadline, which a second call brings forward."
+    engine = EngineProcess(**OPTIONS).start()
+    engine.exit_grace = 1.0
+    async def main():
+        task = asyncio.create_task(last_output(engine, PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
+        while engine.stats.num_running < 1: await asyncio.sleep(0.01)
+        os.kill(engine.process.pid, signal.SIGSTOP)  # as if stuck inside a step
+        first = asyncio.create_task(asyncio.to_thread(engine.shutdown, 600))  # a first Ctrl-C: a long drain
+        await asyncio.sleep(0.5)
+        assert not first.done()
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(engine.shutdown, 0), timeout=30)  # the second
+            await asyncio.wait_for(first, timeout=5)
+        finally:
+            if engine.process.is_alive(): os.kill(engine.process.pid, signal.SIGKILL)  # no stopped child left behind
+        assert time.monotonic() - start < 10
+        with pytest.raises(RequestFailed, match="did not stop within 1 s of the shutdown deadline and was killed"): await task
+    asyncio.run(main())
+    assert engine.process.exitcode == -signal.SIGKILL and not engine.is_running and isinstance(engine.error, RequestFailed)
+
+
 def test_the_server_runs_on_an_engine_process(llm):
     server = make_server(port=0, engine_process=True, log_level="warning", **OPTIONS)
     engine = server.config.app.state.server.engine
