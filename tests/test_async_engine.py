@@ -1,11 +1,12 @@
-"""Chapter 12a: the engine thread hands a step's outputs to each reader's event loop in one call, in order, and aborts a
-request whose reader's loop has closed; so does chapter 12e's engine process."""
+"""Chapter 12a: the engine thread hands a step's outputs to each reader's event loop in one call, in order, without
+copying their token lists, and aborts a request whose reader's loop has closed; so does chapter 12e's engine process."""
 import asyncio, time
 
 import pytest
 
-from nanoserve import SamplingParams
-from nanoserve.async_engine import AsyncLLMEngine, RequestStream, hand_over
+from nanoserve import LLM, SamplingParams
+from nanoserve.async_engine import AsyncLLMEngine, RequestStream, SharedOutput, hand_over
+from nanoserve.engine import RequestMetrics, RequestOutput, TokenLogprobs
 from nanoserve.engine_process import EngineProcess
 
 
@@ -27,6 +28,40 @@ def test_hand_over_makes_one_call_per_loop_in_order_and_names_closed_loops():
         loop.close()
     for s in streams[:4]: assert [str(e) for e in s.pending] == [f"{s.request_id}:{k}" for k in range(3)]
     assert not streams[4].pending
+
+
+def test_a_shared_output_is_cut_to_the_tokens_of_its_step():
+    ids, logprobs = [5, 6], [TokenLogprobs(5, -0.1, {}), TokenLogprobs(6, -0.2, {})]
+    shared = SharedOutput(RequestOutput("r", "p", [1], "ab", ids, False, None, RequestMetrics(0.0), logprobs))
+    ids.append(7); logprobs.append(TokenLogprobs(7, -0.3, {}))  # the engine's next step
+    out = shared.unread()
+    assert out.token_ids == [5, 6] and [lp.token_id for lp in out.logprobs] == [5, 6] and out.text == "ab"
+    assert out.token_ids is not ids  # the reader's own copy
+
+
+def test_a_thread_engine_streams_prefixes_of_its_final_output_without_copies_per_step():
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "Once upon a time"]
+    expected = LLM(max_model_len=256, num_kv_blocks=64, device="cpu").generate(prompts, params, use_tqdm=False)
+    engine = AsyncLLMEngine.from_options(max_model_len=256, num_kv_blocks=64, device="cpu").start()
+    assert engine.engine.snapshot_outputs is False
+    async def read(prompt, slow):
+        outs = []
+        async for out in engine.generate(prompt, params):
+            outs.append(out)
+            if slow: await asyncio.sleep(0.05)  # steps go by: this reader gets SharedOutputs made some steps late
+        return outs
+    async def main(): return await asyncio.gather(read(prompts[0], False), read(prompts[1], True))
+    try: streams = asyncio.run(main())
+    finally: engine.shutdown(5)
+    for outs, want in zip(streams, expected):
+        final = outs[-1]
+        assert final.finished and final.token_ids == want.token_ids and final.text == want.text
+        assert [lp.token_id for lp in final.logprobs] == want.token_ids
+        sizes = [len(out.token_ids) for out in outs]
+        assert sizes == sorted(set(sizes)) and len(outs) > 2  # each output newer than the last, none repeated
+        for out in outs:
+            assert out.token_ids == final.token_ids[:len(out.token_ids)] and len(out.logprobs) == len(out.token_ids)
 
 
 @pytest.mark.parametrize("kind", [AsyncLLMEngine, EngineProcess])
