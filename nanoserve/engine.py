@@ -6,7 +6,7 @@
 __all__ = ['RequestMetrics', 'TokenLogprobs', 'RequestOutput', 'Request', 'engine_config', 'LLMEngine', 'LLM']
 
 # %% ../chapters/11b_engine.ipynb #d4ee404c
-import dataclasses, itertools, time
+import dataclasses, itertools, math, time
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -134,13 +134,18 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not isinstance(stream, bool): raise ValueError(f"stream={stream!r}: expected True or False")
-    if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+    if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
+                                     or not math.isfinite(arrival_time)):
         raise ValueError(f"arrival_time={arrival_time!r}: expected None or a time.monotonic() reading")
     if params.stop and self.tokenizer is None: raise ValueError("stop strings need a tokenizer; this model has none")
-    if (params.logprobs or 0) > self.model.config.vocab_size:
-        raise ValueError(f"logprobs={params.logprobs}: this model has only {self.model.config.vocab_size} tokens")
-    request_id = str(next(self._ids)) if request_id is None else str(request_id)
+    vocab_size = self.model.config.vocab_size
+    if (params.logprobs or 0) > vocab_size: raise ValueError(f"logprobs={params.logprobs}: this model has only {vocab_size} tokens")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids={list(params.stop_token_ids)}: this model's token ids are below {vocab_size}")
+    if request_id is None: request_id = next(i for i in map(str, self._ids) if i not in self.requests)  # not one the caller took
+    else: request_id = str(request_id)
     if request_id in self.requests: raise ValueError(f"request_id={request_id!r} is already running")
+    params = dataclasses.replace(params)  # the request's own copy: the caller may change or reuse theirs
     ids = self._prompt_token_ids(prompt)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(request_id, ids, params, arrival)
@@ -265,6 +270,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
+        if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
+            raise ValueError(f"the engine holds {len(engine.requests)} requests that generate did not add ({next(iter(engine.requests))!r}, ...): "
+                             "step them to the end with llm_engine.step(), or abort them, first")
         try:
             for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p, stream=False))
         except BaseException as e:  # refuse the whole call (a Ctrl-C too), and leave no half-added requests behind
@@ -275,17 +283,22 @@ class LLM:
 
 # %% ../chapters/11b_engine.ipynb #dd22128f
 def _run(self: LLM, ids: list, use_tqdm: bool) -> list:
-    "Step the engine until every request in `ids` has finished; their outputs in the order of `ids`."
+    """Step the engine until every request in `ids` has finished; their outputs in the order of `ids`. If a step raises
+    (a Ctrl-C, a device error), the requests are aborted first: a step cut short leaves them half-way through it."""
     from tqdm import tqdm
     done, wanted, tokens, start = {}, set(ids), 0, time.perf_counter()
-    with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-        while wanted - done.keys():
-            for out in self.llm_engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    tokens += len(out.token_ids)
-                    bar.update(1)
-                    bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):.1f} tok/s")
+    try:
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while wanted - done.keys():
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        tokens += len(out.token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):.1f} tok/s")
+    except BaseException:
+        for i in wanted - done.keys(): self.llm_engine.abort(i)
+        raise
     return [done[i] for i in ids]
 
 LLM._run = _run

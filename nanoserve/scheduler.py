@@ -144,8 +144,8 @@ def _admit(self: Scheduler) -> list:
         reserve = self.watermark_blocks if self.running or admitted else 0
         if tokens + n > cfg.max_num_batched_tokens: break
         if blocks_needed(n, self.blocks.block_size) + reserve > self.blocks.num_free_blocks: break
+        self.blocks.allocate(seq.seq_id, n)  # first: if it raises, the sequence is still waiting
         self.waiting.popleft()
-        self.blocks.allocate(seq.seq_id, n)
         seq.block_table = self.blocks.block_tables[seq.seq_id]  # the live table: it grows as the sequence does
         seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 0
         admitted.append(seq)
@@ -217,6 +217,7 @@ Scheduler.schedule = _schedule
 def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):
     "Record the token each sequence of `out` sampled; the cache now holds all of a sequence's tokens but the new one."
     if len(token_ids) != len(out.seqs): raise ValueError(f"{len(token_ids)} tokens for {len(out.seqs)} sequences")
+    if any(seq.num_in_flight < 1 for seq in out.seqs): raise ValueError("this step's tokens have been recorded already")
     for seq, token in zip(out.seqs, token_ids):
         seq.num_in_flight -= 1
         if seq.is_finished: continue  # aborted, or stopped by the token before, while this one was computed
@@ -238,6 +239,7 @@ def _finish(self: Scheduler, seq: Sequence, reason: str):
     "A sequence that generated tokens met a stop condition: release it now (it may have been preempted meanwhile)."
     if seq.is_finished or not seq.output_token_ids:
         raise ValueError(f"only a running or preempted sequence can finish; got {seq}")
+    if reason not in ("stop", "length", "abort"): raise ValueError(f"reason={reason!r}: expected 'stop', 'length' or 'abort'")
     self._release(seq, reason)
 
 def _abort(self: Scheduler, seq_id) -> Sequence | None:

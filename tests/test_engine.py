@@ -260,6 +260,9 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
     with pytest.raises(ValueError, match="got a NoneType"): engine.add_request(None, None)
     with pytest.raises(ValueError, match="stream='no'"): engine.add_request(None, "Hi", stream="no")
     with pytest.raises(ValueError, match="arrival_time='now'"): engine.add_request(None, "Hi", arrival_time="now")
+    with pytest.raises(ValueError, match="arrival_time=nan"): engine.add_request(None, "Hi", arrival_time=float("nan"))
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[1000000\]: this model's token ids are below 49152"):
+        engine.add_request(None, "Hi", SamplingParams(stop_token_ids=[10**6]))
     engine.add_request("dup", "Hi", SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already running"): engine.add_request("dup", "Hi")
     engine.abort("dup")
@@ -279,6 +282,48 @@ def test_generate_leaves_nothing_behind_whatever_a_prompt_raises(default_llm, mo
     for last, error in (("boom", RuntimeError), ("^C", KeyboardInterrupt)):
         with pytest.raises(error): default_llm.generate(["Hi", "there", last], use_tqdm=False)
         assert not engine.has_unfinished() and not engine.requests and engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_an_interrupted_generate_aborts_its_requests_and_the_engine_goes_on(default_llm, monkeypatch):
+    "A Ctrl-C in the middle of a step leaves its batch half-way through it; generate aborts the batch, so the next call is right."
+    engine = default_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = default_llm.generate(["Hello, my name is", "The sky is"], params, use_tqdm=False)
+    launch, calls = engine.runner.launch, []
+    def interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3: raise KeyboardInterrupt
+        return launch(*args, **kw)
+    monkeypatch.setattr(engine.runner, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt): default_llm.generate(["Hello, my name is", "The sky is"], params, use_tqdm=False)
+    assert not engine.requests and engine.scheduler.blocks.num_used_blocks == 0
+    again = default_llm.generate(["Hello, my name is", "The sky is"], params, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+
+
+def test_requests_keep_their_own_params_and_ids():
+    "The caller may reuse a SamplingParams and mix its own request ids with the engine's."
+    engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=16, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("short", [1, 2], params)
+    params.max_tokens = 5
+    engine.add_request("long", [1, 2], params)
+    engine.add_request("0", [3], SamplingParams(max_tokens=1))  # the id the engine would have picked first
+    auto = [engine.add_request(None, [4], SamplingParams(max_tokens=1)) for _ in range(2)]
+    assert len(set(auto) | {"0", "short", "long"}) == 5
+    done = {}
+    while engine.has_unfinished(): done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(done["short"].token_ids) == 2 and len(done["long"].token_ids) == 5
+
+
+def test_generate_refuses_to_run_over_requests_it_did_not_add(default_llm):
+    "It steps the engine until its own requests end, and would drop the outputs of any others."
+    engine = default_llm.llm_engine
+    engine.add_request("mine", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="holds 1 requests that generate did not add \\('mine'"):
+        default_llm.generate("Hi", use_tqdm=False)
+    while engine.has_unfinished(): outs = engine.step()
+    assert [o.request_id for o in outs] == ["mine"]
 
 
 def test_numpy_token_ids_are_one_prompt():

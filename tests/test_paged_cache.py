@@ -119,6 +119,8 @@ def test_store_errors():
         store_kv_ref(k, k, kc, torch.zeros(3, 2, 1, 3), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k_cache must be one layer's pool"):
         store_kv_ref(k, k, torch.zeros(1, 2, 2, 1, 3), torch.zeros(1, 2, 2, 1, 3), torch.tensor([0, 1]))
+    for slots in (torch.tensor([0.9, 1.5]), torch.tensor([True, False])):  # would be read as slots 0, 1 and 1, 0
+        with pytest.raises(ValueError, match=f"slot_mapping must hold integers, got {slots.dtype}"): store_kv_ref(k, k, kc, vc, slots)
     assert kc.eq(0).all()
 
 
@@ -145,6 +147,8 @@ def test_gather_errors():
         gather_kv(pool, torch.tensor([0, -1, 2]), 3)
     with pytest.raises(ValueError, match=r"in \[0, 4\)"):
         gather_kv(pool, torch.tensor([4]), 1)
+    with pytest.raises(ValueError, match="block_table must hold integers, got torch.float32"):
+        gather_kv(pool, [0.7, 1.2], 3)
 
 
 # ---- paged attention
@@ -224,6 +228,8 @@ def test_paged_attention_errors():
     bad = bt.clone(); bad[specs.index((9, 9)), 1] = -1
     with pytest.raises(ValueError, match="block ids a context uses must be in"):
         call(block_tables=bad)
+    for name, value in (("block_tables", bt.float()), ("context_lens", lens.float()), ("cu_seqlens_q", cu.float())):
+        with pytest.raises(ValueError, match=f"{name} must hold integers, got torch.float32"): call(**{name: value})
 
 
 # ---- metadata and the model
@@ -240,6 +246,8 @@ def test_metadata_from_block_manager():
     bm.allocate("c", 9)
     m = PagedAttentionMetadata.from_block_manager(bm, ["c", "a"], [4, 7])
     assert m.block_tables.tolist() == [[4, 5, 6], [0, 1, -1]] and m.positions().tolist() == [5, 6, 7, 8, *range(7)]
+    with pytest.raises(ValueError, match="1 seq_ids but 2 counts of new tokens"):
+        PagedAttentionMetadata.from_block_manager(bm, ["a"], [1, 2])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -253,6 +253,7 @@ def test_masked_tokens_are_never_drawn():
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
+    ("temperature", 1e39),  # finite, but inf in float32, where every logit over it is 0: top_k=1 would not be the argmax
     ("temperature", True), ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", None), ("top_k", -2),
     ("top_k", 2.5), ("top_k", "5"), ("min_p", -0.01), ("min_p", 1.5), ("seed", 1.5), ("seed", "42"),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 10.0), ("max_tokens", None), ("logprobs", -1),
