@@ -172,7 +172,10 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: list, generators=None) -> SamplerOutput:
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator."
+    if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
+    if generators is not None and len(generators) != len(logits):
+        raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
     token_ids = argmax_rows(logits)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)

@@ -238,6 +238,10 @@ def test_no_logprobs_unless_asked():
 def test_sample_checks_one_params_per_row_and_accepts_half_precision():
     with pytest.raises(ValueError, match="2 SamplingParams for 3 rows"):
         sample(torch.randn(3, 10), [SamplingParams()] * 2)
+    with pytest.raises(ValueError, match=r"logits must be \(B, V\), one row per sequence; got shape \(10,\)"):
+        sample(torch.randn(10), [SamplingParams()] * 10)  # a lone row of 10 logits is not 10 rows
+    with pytest.raises(ValueError, match="got 3 generators for 2 rows"):
+        sample(torch.randn(2, 10), [SamplingParams()] * 2, [None] * 3)
     logits = torch.randn(2, 10).bfloat16()
     assert torch.equal(sample(logits, [SamplingParams(temperature=0)] * 2).token_ids, logits.float().argmax(-1))
 
