@@ -7,11 +7,12 @@ __all__ = ['Items', 'MAX_STOPS', 'ACCEPTED', 'OpenAIModel', 'StreamOptions', 'on
            'CompletionRequest', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'InvalidRequest', 'token_budget',
            'sampling_params', 'Usage', 'CompletionLogprobs', 'CompletionChoice', 'CompletionResponse', 'TopLogprob',
            'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard',
-           'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text', 'usage', 'completion_logprobs', 'chat_logprobs',
-           'new_id', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
+           'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage',
+           'completion_logprobs', 'chat_logprobs', 'new_id', 'completion_response', 'chat_response', 'chunk',
+           'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
-import itertools, time, uuid
+import codecs, time, uuid
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
@@ -265,9 +266,19 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 # %% ../chapters/12b_protocol.ipynb #fc6f9634
+def token_text_and_bytes(tokenizer: Tokenizer | None, token_id: int) -> tuple:
+    """A token's name in log probabilities, and its bytes. A token that holds only part of a character (most emoji
+    and CJK characters span two or three) decodes to U+FFFD; it is named by its bytes, as OpenAI names it: bytes:\\xf0\\x9f."""
+    if not tokenizer: text = f"token_id:{token_id}"; return text, text.encode()
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text: return text, text.encode()
+    raw = tokenizer.token_bytes(token_id)
+    try: return raw.decode(), raw  # a token that is U+FFFD itself
+    except UnicodeDecodeError: return "bytes:" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}" for b in raw), raw
+
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
-    "A token's own text, as log probabilities name it."
-    return tokenizer.decode([token_id]) if tokenizer else f"token_id:{token_id}"
+    "A token's name in log probabilities."
+    return token_text_and_bytes(tokenizer, token_id)[0]
 
 def usage(out: RequestOutput) -> dict:
     "Exact token counts of a request."
@@ -278,15 +289,17 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     "Completions-style log probabilities of tokens [start, end) of `out`; offsets count from `text_offset`."
     if out.logprobs is None: return None
     lps = out.logprobs[start:end]
-    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=text_offset)) if tokens else []  # where each text starts
+    named = [token_text_and_bytes(tokenizer, lp.token_id) for lp in lps]
+    tokens, offsets, at = [name for name, _ in named], [], text_offset
+    characters = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes may come in several tokens
+    for _, raw in named: offsets.append(at); at += len(characters.decode(raw))  # where each token's text starts
     top = [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top, "text_offset": offsets}
 
 def chat_logprobs(out: RequestOutput, tokenizer, start: int, end: int) -> dict | None:
     "Chat-style log probabilities of tokens [start, end) of `out`."
     if out.logprobs is None: return None
-    def entry(t, v): s = token_text(tokenizer, t); return {"token": s, "logprob": v, "bytes": list(s.encode())}
+    def entry(t, v): s, raw = token_text_and_bytes(tokenizer, t); return {"token": s, "logprob": v, "bytes": list(raw)}
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in out.logprobs[start:end]]}
 

@@ -96,14 +96,15 @@ class BodyLimit:
         await error_response(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes.")(scope, receive, send)
 
 class RequireApiKey:
-    "ASGI middleware: answer 401 to a request under /v1 without `Authorization: Bearer <api_key>`."
+    "ASGI middleware: answer 401 to a request under /v1 without `Authorization: Bearer <api_key>` (any case of `Bearer`)."
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 message = "Incorrect API key provided." if given else "Missing API key: send 'Authorization: Bearer <key>'."
                 return await error_response(401, message)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -325,6 +326,7 @@ def add_routes(app: FastAPI, server: OpenAIServer):
     async def health():
         "200 while the engine runs; 503 once it has stopped."
         return Response(status_code=200 if server.engine.is_running else 503)
+    app.head("/health", include_in_schema=False)(health)  # load balancers often probe with HEAD
 
     @app.get("/metrics")
     async def metrics():
@@ -417,7 +419,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         yield
         await asyncio.to_thread(engine.shutdown, drain_seconds)
 
-    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, redirect_slashes=False,  # a 404, not a bare 307
                   description="An OpenAI-compatible server for one model, built in the nanoserve course.")
     app.state.server = server = OpenAIServer(engine, model_name)
     add_routes(app, server)

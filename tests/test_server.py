@@ -87,7 +87,7 @@ def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="gpt-5"): client.models.retrieve("gpt-5")
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.head(f"{url}/health").status_code == 200
     assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
 
@@ -201,6 +201,22 @@ def test_chat_logprobs(client):
     for c in content:
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
         assert c.bytes == list(c.token.encode()) and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_logprobs_of_tokens_that_hold_part_of_a_character(client, url):
+    "An emoji spans several byte-level tokens: each is named by its bytes, so top_logprobs keep every alternative."
+    r = client.completions.create(model=MODEL, prompt="Emoji party: \U0001f389\U0001f389", max_tokens=6, temperature=0, logprobs=5)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert "\U0001f389" in text and any(t.startswith("bytes:") for t in lp.tokens)  # the model goes on with the emoji
+    assert all(len(top) == 5 for top in lp.top_logprobs)  # none collide under one U+FFFD key
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(chosen, abs=1e-5)  # greedy: the chosen token is in its own top 5, by its name
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    content = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Reply with only this emoji: \U0001f389"}],
+        "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    assert bytes(b for c in content["logprobs"]["content"] for b in c["bytes"]).decode(errors="replace").startswith(
+        content["message"]["content"])  # the bytes rebuild the text
 
 
 def test_ignore_eos_and_exact_usage(client):
@@ -495,6 +511,8 @@ def test_unknown_paths_and_methods(url):
     assert r.json()["error"]["message"] == "Not Found: GET /v1/nothing-here is no route of this server."
     r = httpx.get(f"{url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed: /v1/completions takes POST, not GET."
+    r = httpx.post(f"{url}/v1/completions/", json={"prompt": "hi"})  # no bare redirect, which clients that do not follow see as empty
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found: POST /v1/completions/ is no route of this server."
 
 
 def test_openai_client_raises_its_exceptions(client):
@@ -522,9 +540,11 @@ def guarded(tiny_chat_model):
 
 def test_api_key_is_required_on_v1_only(guarded):
     assert httpx.get(f"{guarded}/health").status_code == 200 and httpx.get(f"{guarded}/metrics").status_code == 200
-    for key in (None, "wrong"):
-        r = httpx.get(f"{guarded}/v1/models", headers={"authorization": f"Bearer {key}"} if key else {})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for header in (None, "Bearer wrong", "secret", "Basic secret", "Bearer secretx", "Bearer"):
+        r = httpx.get(f"{guarded}/v1/models", headers={"authorization": header} if header else {})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", header
+    for header in ("bearer secret", "BEARER secret", "Bearer  secret"):  # the scheme's case is not part of it (RFC 7235)
+        assert httpx.get(f"{guarded}/v1/models", headers={"authorization": header}).status_code == 200, header
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{guarded}/v1", api_key="wrong", max_retries=0).models.list()
     keyed = openai.OpenAI(base_url=f"{guarded}/v1", api_key="secret", max_retries=0)

@@ -469,3 +469,22 @@ def test_trap_plain_jinja_renders_differently(tmp_path):
     messages = [{"role": "user", "content": "<b>Zürich</b>"}]
     assert ours.apply_chat_template(messages) == ref_chat(ref, messages) == 'user: {"role": "user", "content": "<b>Zürich</b>"}\n'
     assert jinja2.Environment().from_string(template).render(messages=messages) != ours.apply_chat_template(messages)
+
+
+def test_token_bytes_are_what_each_token_stands_for_also_inside_a_character():
+    tok = load_tokenizer()
+    text = "Emoji party: \U0001f389\U0001f389, \u4e2d\u6587, caf\u00e9 <|im_start|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens hold part of a character
+    assert b"".join(map(tok.token_bytes, ids)) == text.encode()
+    for i in range(tok.vocab_size):  # every token that is whole characters: its bytes are its text's
+        if "\ufffd" not in (s := tok.decode([i])): assert tok.token_bytes(i) == s.encode(), i
+    with pytest.raises(ValueError, match="not in this tokenizer's vocabulary"): tok.token_bytes(tok.vocab_size)
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE({"<0xF0>": 0, "<0x9F>": 1, "\u2581hi": 2}, [], byte_fallback=True))
+    backend.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.Replace("\u2581", " "), tokenizers.decoders.ByteFallback(),
+                                                    tokenizers.decoders.Fuse()])
+    tok = Tokenizer(backend)
+    assert [tok.token_bytes(i) for i in range(3)] == [b"\xf0", b"\x9f", b" hi"]
