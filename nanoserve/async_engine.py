@@ -115,6 +115,7 @@ def check_max_waiting(max_waiting):
 
 class AsyncLLMEngine:
     "An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator."
+    exit_grace = 10.0  # seconds past the drain's end that the engine has to stop in before shutdown gives up on it
     def __init__(self, engine: LLMEngine | None,  # None in a subclass whose engine lives elsewhere (chapter 12e)
                  max_waiting: int | None = None):  # waiting requests beyond which add_request raises EngineOverloaded
         self.engine, self.max_waiting = engine, check_max_waiting(max_waiting)
@@ -305,11 +306,16 @@ def _move_drain_deadline(self: AsyncLLMEngine, timeout: float) -> bool:
     return moved
 
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
-    "Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread."
+    """Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread.
+    A thread stuck inside a step cannot be stopped: after `exit_grace` seconds more it is left behind, as an error."""
     if self._thread is None: return
     self._move_drain_deadline(timeout)
     self._wake.set()
-    self._thread.join()
+    while self._thread.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
+        self._thread.join(0.1)  # a second call (a second Ctrl-C) may bring the deadline forward meanwhile
+    if self._thread.is_alive():
+        self.error = self.error or RuntimeError(f"the engine thread did not stop within {self.exit_grace:g} s of the shutdown deadline")
+        log.error("%s: it is stuck inside a step, and its requests will not end", self.error)
 
 def _close(self: AsyncLLMEngine):
     "On the engine thread, last thing: refuse queued adds and end every request still held; this must not fail."

@@ -195,7 +195,6 @@ def engine_process_main(conn, model, engine_options: dict):
 class EngineProcess(AsyncLLMEngine):
     "AsyncLLMEngine's interface with the engine in a child process; only commands and output deltas cross."
     tokenizer, max_model_len, kv_capacity = None, 0, 0  # instance attributes here (the base class reads them from its engine)
-    exit_grace = 10.0  # seconds past the drain's end that the engine process has to stop before shutdown kills it
 
     def __init__(self, model=None, max_waiting: int | None = None, **engine_options):
         super().__init__(None, max_waiting)

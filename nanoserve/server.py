@@ -258,6 +258,9 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
         self.tokenizer, self.max_model_len, self.kv_capacity = engine.tokenizer, engine.max_model_len, engine.kv_capacity
+        if self.kv_capacity < self.max_model_len:  # vLLM refuses to start; here the model card says what fits (below)
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests will be refused "
+                        "(more KV blocks or GPU memory, or a smaller max_model_len, would lift this)", self.kv_capacity, self.max_model_len)
         self.metrics = ServerMetrics(engine, model_name, self.max_model_len)
         self.created = int(time.time())
         # no token stands for more characters than its vocabulary string has (bytes, in a byte-level vocabulary)
@@ -343,7 +346,7 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "The model card of `name`, if this server serves it (OpenAI's models.retrieve)."
         server.check_model(name)
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanoserve",
-                "max_model_len": server.max_model_len}
+                "max_model_len": min(server.max_model_len, server.kv_capacity)}  # the longest request that can run
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=error_docs)
     async def completions(req: CompletionRequest, request: Request):

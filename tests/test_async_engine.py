@@ -64,6 +64,29 @@ def test_a_thread_engine_streams_prefixes_of_its_final_output_without_copies_per
             assert out.token_ids == final.token_ids[:len(out.token_ids)] and len(out.logprobs) == len(out.token_ids)
 
 
+def test_shutdown_gives_up_on_an_engine_thread_stuck_in_a_step():
+    "A thread cannot be killed: exit_grace seconds past the deadline, shutdown returns anyway and says why."
+    import threading
+    engine = AsyncLLMEngine.from_options(max_model_len=256, num_kv_blocks=64, device="cpu")
+    engine.exit_grace, stuck, release = 0.5, threading.Event(), threading.Event()
+    step = engine.engine.step
+    def hung(): stuck.set(); release.wait(60); return step()
+    engine.engine.step = hung
+    engine.start()
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(engine.add_request("Once upon a time", SamplingParams(max_tokens=4)))
+        assert stuck.wait(30)
+        start = time.monotonic()
+        engine.shutdown(0.2)
+        assert time.monotonic() - start < 5 and engine._thread.is_alive()
+        assert "did not stop within 0.5 s of the shutdown deadline" in str(engine.error) and not engine.is_running
+    finally:
+        release.set()
+        engine._thread.join(30)
+        loop.close()
+
+
 @pytest.mark.parametrize("kind", [AsyncLLMEngine, EngineProcess])
 def test_a_request_whose_reader_loop_closed_is_aborted(kind):
     engine = kind.from_options(max_model_len=256, num_kv_blocks=64, device="cpu").start()

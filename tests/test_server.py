@@ -91,6 +91,14 @@ def test_models_and_health(url, client):
     assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
 
+def test_a_kv_cache_shorter_than_the_context_is_logged_and_the_model_card_says_what_fits(tiny_chat_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="nanoserve.server"):
+        server = make_server(str(tiny_chat_model), port=0, max_model_len=512, num_kv_blocks=8, device="cpu", log_level="warning")
+    assert "the KV cache holds 128 tokens, fewer than max_model_len=512" in caplog.text
+    with run_in_thread(server) as url:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 128
+
+
 def test_completions_equal_llm_generate(client, reference):
     for prompt, ref in zip(PROMPTS, reference["prompts"]):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
