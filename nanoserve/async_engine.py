@@ -114,7 +114,8 @@ def check_max_waiting(max_waiting):
     return max_waiting
 
 class AsyncLLMEngine:
-    "An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator."
+    """An LLMEngine behind a thread: add requests from any asyncio task and read each one's outputs as an async iterator.
+    It owns the engine from then on, and turns its `snapshot_outputs` off (see SharedOutput)."""
     exit_grace = 10.0  # seconds past the drain's end that the engine has to stop in before shutdown gives up on it
     def __init__(self, engine: LLMEngine | None,  # None in a subclass whose engine lives elsewhere (chapter 12e)
                  max_waiting: int | None = None):  # waiting requests beyond which add_request raises EngineOverloaded
@@ -313,8 +314,8 @@ def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     self._wake.set()
     while self._thread.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
         self._thread.join(0.1)  # a second call (a second Ctrl-C) may bring the deadline forward meanwhile
-    if self._thread.is_alive():
-        self.error = self.error or RuntimeError(f"the engine thread did not stop within {self.exit_grace:g} s of the shutdown deadline")
+    if self._thread.is_alive() and self.error is None:  # said once, however many shutdowns a server calls
+        self.error = RuntimeError(f"the engine thread did not stop within {self.exit_grace:g} s of the shutdown deadline")
         log.error("%s: it is stuck inside a step, and its requests will not end", self.error)
 
 def _close(self: AsyncLLMEngine):

@@ -271,8 +271,9 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
         if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
-            raise ValueError(f"the engine holds {len(engine.requests)} requests that generate did not add ({next(iter(engine.requests))!r}, ...): "
-                             "step them to the end with llm_engine.step(), or abort them, first")
+            others = ", ".join(map(repr, itertools.islice(engine.requests, 3))) + (", ..." if len(engine.requests) > 3 else "")
+            raise ValueError(f"the engine holds requests that generate did not add ({others}): step them to the end "
+                             "with llm_engine.step(), or abort them, first")
         try:
             for prompt, p in zip(prompts, params): ids.append(engine.add_request(None, prompt, p, stream=False))
         except BaseException as e:  # refuse the whole call (a Ctrl-C too), and leave no half-added requests behind

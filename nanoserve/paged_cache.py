@@ -92,7 +92,7 @@ def gather_kv(cache: torch.Tensor,  # (num_blocks, block_size, K, D): one layer'
     _check_pool("cache", cache)
     n = -(-int(context_len) // cache.shape[1])  # blocks that hold the context
     blocks = torch.as_tensor(block_table, device=cache.device)
-    check_integers("block_table", blocks)
+    if blocks.numel(): check_integers("block_table", blocks)  # an empty list is float32 to torch, and fine
     blocks = blocks[:n].long()
     if context_len < 0 or len(blocks) < n or (blocks < 0).any() or (blocks >= cache.shape[0]).any():
         raise ValueError(f"context_len={context_len} needs {n} valid block ids in [0, {cache.shape[0]}); "

@@ -266,18 +266,19 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 # %% ../chapters/12b_protocol.ipynb #fc6f9634
-def token_text_and_bytes(tokenizer: Tokenizer | None, token_id: int) -> tuple:
-    """A token's name in log probabilities, and its bytes. A token that holds only part of a character (most emoji
-    and CJK characters span two or three) decodes to U+FFFD; it is named by its bytes, as OpenAI names it: bytes:\\xf0\\x9f."""
+def token_text_and_bytes(tokenizer: Tokenizer | None, token_id: int, prefix: str = "bytes:") -> tuple:
+    """A token's name in log probabilities, and its bytes. A token that holds only some of a character's bytes (an
+    emoji has four) decodes to U+FFFD; it is named by its bytes as OpenAI names them: `bytes:\\xf0\\x9f` in
+    completions, with printable ASCII as it is, and without the prefix in chat, whose `bytes` field holds them too."""
     if not tokenizer: text = f"token_id:{token_id}"; return text, text.encode()
     text = tokenizer.decode([token_id])
     if "\ufffd" not in text: return text, text.encode()
     raw = tokenizer.token_bytes(token_id)
     try: return raw.decode(), raw  # a token that is U+FFFD itself
-    except UnicodeDecodeError: return "bytes:" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}" for b in raw), raw
+    except UnicodeDecodeError: return prefix + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}" for b in raw), raw
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
-    "A token's name in log probabilities."
+    "A token's name in completions' log probabilities."
     return token_text_and_bytes(tokenizer, token_id)[0]
 
 def usage(out: RequestOutput) -> dict:
@@ -292,6 +293,8 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     named = [token_text_and_bytes(tokenizer, lp.token_id) for lp in lps]
     tokens, offsets, at = [name for name, _ in named], [], text_offset
     characters = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes may come in several tokens
+    for lp in out.logprobs[max(0, start - 3):start]:  # a chunk may start inside a character: the bytes it started with
+        characters.decode(token_text_and_bytes(tokenizer, lp.token_id)[1])  # were sent, its text was not (12c holds it back)
     for _, raw in named: offsets.append(at); at += len(characters.decode(raw))  # where each token's text starts
     top = [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top, "text_offset": offsets}
@@ -299,7 +302,7 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
 def chat_logprobs(out: RequestOutput, tokenizer, start: int, end: int) -> dict | None:
     "Chat-style log probabilities of tokens [start, end) of `out`."
     if out.logprobs is None: return None
-    def entry(t, v): s, raw = token_text_and_bytes(tokenizer, t); return {"token": s, "logprob": v, "bytes": list(raw)}
+    def entry(t, v): s, raw = token_text_and_bytes(tokenizer, t, prefix=""); return {"token": s, "logprob": v, "bytes": list(raw)}
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in out.logprobs[start:end]]}
 

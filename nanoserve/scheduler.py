@@ -77,6 +77,7 @@ class SchedulerOutput:
     num_new_tokens: list       # per sequence: its whole context in a prefill step, 1 in a decode step
     is_prefill: bool
     preempted: list = field(default_factory=list)  # sequences sent back to waiting in this step
+    recorded: bool = False     # set by update(), which takes a step's tokens once
 
     @property
     def num_batched_tokens(self) -> int: return sum(self.num_new_tokens)
@@ -138,19 +139,19 @@ Scheduler._check_fits, Scheduler.add = _check_fits, _add
 def _admit(self: Scheduler) -> list:
     "Move waiting sequences to running while the budgets allow, in order; returns them."
     admitted, tokens, cfg = [], 0, self.config
-    while self.waiting and len(self.running) + len(admitted) < cfg.max_num_seqs:
+    while self.waiting and len(self.running) < cfg.max_num_seqs:
         seq = self.waiting[0]
         n = seq.num_tokens  # prompt, plus what it had generated before a preemption
-        reserve = self.watermark_blocks if self.running or admitted else 0
+        reserve = self.watermark_blocks if self.running else 0
         if tokens + n > cfg.max_num_batched_tokens: break
         if blocks_needed(n, self.blocks.block_size) + reserve > self.blocks.num_free_blocks: break
         self.blocks.allocate(seq.seq_id, n)  # first: if it raises, the sequence is still waiting
         self.waiting.popleft()
         seq.block_table = self.blocks.block_tables[seq.seq_id]  # the live table: it grows as the sequence does
         seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 0
+        self.running.append(seq)  # at once: should a later allocation raise, what came before is consistent
         admitted.append(seq)
         tokens += n
-    self.running.extend(admitted)
     return admitted
 
 Scheduler._admit = _admit
@@ -217,7 +218,8 @@ Scheduler.schedule = _schedule
 def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):
     "Record the token each sequence of `out` sampled; the cache now holds all of a sequence's tokens but the new one."
     if len(token_ids) != len(out.seqs): raise ValueError(f"{len(token_ids)} tokens for {len(out.seqs)} sequences")
-    if any(seq.num_in_flight < 1 for seq in out.seqs): raise ValueError("this step's tokens have been recorded already")
+    if out.recorded: raise ValueError("this step's tokens have been recorded already")
+    out.recorded = True
     for seq, token in zip(out.seqs, token_ids):
         seq.num_in_flight -= 1
         if seq.is_finished: continue  # aborted, or stopped by the token before, while this one was computed

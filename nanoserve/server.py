@@ -105,7 +105,8 @@ class RequireApiKey:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
-                message = "Incorrect API key provided." if given else "Missing API key: send 'Authorization: Bearer <key>'."
+                message = ("Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
+                           if scheme.lower() == b"bearer" else "Send the API key as 'Authorization: Bearer <key>'.")
                 return await error_response(401, message)(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -161,6 +161,7 @@ class Tokenizer:
         `decode` can only say U+FFFD. Exact for byte-level BPE and SentencePiece's byte tokens; else the decoded text."""
         token = self.backend.id_to_token(token_id)
         if token is None: raise ValueError(f"token_id={token_id!r}: not in this tokenizer's vocabulary of {self.vocab_size}")
+        if token_id in self.backend.get_added_tokens_decoder(): return token.encode()  # added tokens are kept as text
         if isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel) and all(c in BYTE_LEVEL for c in token):
             return bytes(BYTE_LEVEL[c] for c in token)  # every byte is written as one printable character
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece's byte fallback: <0xF0>

@@ -230,6 +230,30 @@ def test_refusals_and_overload(remote):
     assert sum(isinstance(r, EngineOverloaded) for r in results) >= 1 and not all(isinstance(r, BaseException) for r in results)
 
 
+def test_a_request_id_in_flight_is_refused_and_the_receiver_goes_on(remote):
+    "Two adds of one id before the first verdict: the second verdict would find the first's entry, and the receiver would die."
+    async def main():
+        first = asyncio.ensure_future(remote.add_request(PROMPTS[0], SamplingParams(max_tokens=3), request_id="same"))
+        await asyncio.sleep(0)  # the first add is sent, its verdict not back yet
+        with pytest.raises(ValueError, match="request_id='same' is already running"):
+            await remote.add_request(PROMPTS[1], SamplingParams(max_tokens=3), request_id="same")
+        return [o async for o in remote.outputs(await first)][-1]
+    assert len(asyncio.run(main()).token_ids) == 3 and remote.is_running
+
+
+def test_signals_deferred_runs_the_handlers_after_the_block():
+    from nanoserve.engine_process import signals_deferred
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda sig, frame: got.append(sig))
+    try:
+        with signals_deferred(signal.SIGUSR1):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)  # the handler would have run by now
+            assert got == []
+        assert got == [signal.SIGUSR1] and signal.getsignal(signal.SIGUSR1) is not None
+    finally: signal.signal(signal.SIGUSR1, previous)
+
+
 def test_an_engine_option_error_is_raised_by_the_constructor():
     with pytest.raises(ValueError, match="block_size"): EngineProcess(block_size=12, device="cpu")
 

@@ -136,7 +136,7 @@ def test_gather_inverts_store(b):
         store_kv_ref(k, k, pool, pool.clone(), torch.tensor([table[p // b] * b + p % b for p in range(n)]))
         assert torch.equal(gather_kv(pool, torch.tensor(table + [-1, -1], dtype=torch.int32), n), k)
         assert torch.equal(gather_kv(pool, table, n), k)  # a list works too
-    assert gather_kv(pool, [-1], 0).shape == (0, 2, 4)
+    assert gather_kv(pool, [-1], 0).shape == (0, 2, 4) and gather_kv(pool, [], 0).shape == (0, 2, 4)
 
 
 def test_gather_errors():

@@ -180,18 +180,24 @@ def test_bad_arguments():
     s.update(out, [5])
     with pytest.raises(ValueError, match="recorded already"): s.update(out, [6])  # would append a token no slot holds
     assert s.seqs[0].output_token_ids == [5] and s.seqs[0].num_in_flight == 0
+    a = s.schedule(); b = s.schedule()  # async scheduling: two steps in flight
+    s.update(a, [7])
+    with pytest.raises(ValueError, match="recorded already"): s.update(a, [7])
+    s.update(b, [8])
+    assert s.seqs[0].output_token_ids == [5, 7, 8]
     with pytest.raises(ValueError, match="reason=12345: expected 'stop', 'length' or 'abort'"): s.finish(s.seqs[0], 12345)
 
 
 def test_a_sequence_that_cannot_be_allocated_stays_waiting():
-    "Two schedulers over one pool, one sequence id: the second allocation fails, and the sequence is still in its queue."
+    "Two schedulers over one pool, one sequence id: that allocation fails; the sequence still waits, those before it run."
     blocks = BlockManager(num_blocks=16, block_size=4)
     first, second = (Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), blocks)
                      for _ in range(2))
-    first.add(seq(0, 4)); second.add(seq(0, 4))
+    first.add(seq(1, 4)); second.add(seq(0, 4)); second.add(seq(1, 4))
     first.schedule()
     with pytest.raises(ValueError): second.schedule()
-    assert [q.seq_id for q in second.waiting] == [0] and not second.running
+    assert [q.seq_id for q in second.waiting] == [1] and [q.seq_id for q in second.running] == [0]
+    assert second.seqs[0].block_table == blocks.block_tables[0]
 
 
 def test_trace_records_steps():

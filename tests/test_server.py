@@ -211,6 +211,27 @@ def test_chat_logprobs(client):
         assert c.bytes == list(c.token.encode()) and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)
 
 
+def test_log_probabilities_name_partial_characters_by_their_bytes_and_count_offsets_in_characters():
+    from nanoserve.engine import RequestMetrics, RequestOutput, TokenLogprobs
+    from nanoserve.protocol import chat_logprobs, completion_logprobs
+    from nanoserve.tokenizer import load_tokenizer
+    tok, text = load_tokenizer(), " \U0001f389\U0001f389 ok"
+    ids = tok.encode(text, add_special_tokens=False)  # ' \xf0\x9f', '\x8e', '\x89', '\xf0\x9f', '\x8e', '\x89', ' ok'
+    out = RequestOutput("r", None, [1], text, ids, True, "length", RequestMetrics(0.0),
+                        [TokenLogprobs(i, -0.5, [(i, -0.5), (ids[-1], -1.5)]) for i in ids])
+    whole = completion_logprobs(out, tok, 0, len(ids))
+    assert whole["tokens"] == ["bytes: \\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89", "bytes:\\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89", " ok"]
+    assert whole["text_offset"] == [0, 1, 1, 2, 2, 2, 3]  # characters of the text: each emoji is one
+    assert whole["top_logprobs"][1] == {"bytes:\\x8e": -0.5, " ok": -1.5}
+    for cut in range(1, len(ids)):  # streamed in two chunks; the second starts where the text sent so far ends
+        sent = len(tok.decode(ids[:cut]).rstrip("\ufffd"))  # what the detokenizer let out: no partial character
+        first, second = completion_logprobs(out, tok, 0, cut), completion_logprobs(out, tok, cut, len(ids), text_offset=sent)
+        assert first["text_offset"] + second["text_offset"] == whole["text_offset"], cut
+    content = chat_logprobs(out, tok, 0, len(ids))["content"]
+    assert [c["token"] for c in content][:2] == [" \\xf0\\x9f", "\\x8e"]  # chat: no prefix, the bytes are in their own field
+    assert bytes(b for c in content for b in c["bytes"]).decode() == text
+
+
 def test_logprobs_of_tokens_that_hold_part_of_a_character(client, url):
     "An emoji spans several byte-level tokens: each is named by its bytes, so top_logprobs keep every alternative."
     r = client.completions.create(model=MODEL, prompt="Emoji party: \U0001f389\U0001f389", max_tokens=6, temperature=0, logprobs=5)
@@ -551,6 +572,7 @@ def test_api_key_is_required_on_v1_only(guarded):
     for header in (None, "Bearer wrong", "secret", "Basic secret", "Bearer secretx", "Bearer"):
         r = httpx.get(f"{guarded}/v1/models", headers={"authorization": header} if header else {})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", header
+    assert "Bearer <key>" in httpx.get(f"{guarded}/v1/models", headers={"authorization": "Basic secret"}).json()["error"]["message"]
     for header in ("bearer secret", "BEARER secret", "Bearer  secret"):  # the scheme's case is not part of it (RFC 7235)
         assert httpx.get(f"{guarded}/v1/models", headers={"authorization": header}).status_code == 200, header
     with pytest.raises(openai.AuthenticationError):

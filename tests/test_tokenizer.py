@@ -480,6 +480,10 @@ def test_token_bytes_are_what_each_token_stands_for_also_inside_a_character():
     for i in range(tok.vocab_size):  # every token that is whole characters: its bytes are its text's
         if "\ufffd" not in (s := tok.decode([i])): assert tok.token_bytes(i) == s.encode(), i
     with pytest.raises(ValueError, match="not in this tokenizer's vocabulary"): tok.token_bytes(tok.vocab_size)
+    backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    backend.add_tokens(["\u00e9t\u00e9"])  # an added token is stored as its text, not in the byte alphabet
+    added = Tokenizer(backend)
+    assert added.token_bytes(added.token_to_id("\u00e9t\u00e9")) == "\u00e9t\u00e9".encode()
 
 
 def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
