@@ -306,15 +306,19 @@ def _move_drain_deadline(self: AsyncLLMEngine, timeout: float) -> bool:
         moved, self._drain_until = deadline != self._drain_until, deadline
     return moved
 
+def _join_by_deadline(self: AsyncLLMEngine, worker) -> bool:
+    "Wait for a thread or process to end, until exit_grace seconds past the drain's end; whether it ended."
+    while worker.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
+        worker.join(0.1)  # a second shutdown (a second Ctrl-C) may bring the deadline forward meanwhile
+    return not worker.is_alive()
+
 def _shutdown(self: AsyncLLMEngine, timeout: float = 30.0):
     """Take no more requests; let running ones finish for up to `timeout` seconds, abort the rest, stop the thread.
     A thread stuck inside a step cannot be stopped: after `exit_grace` seconds more it is left behind, as an error."""
     if self._thread is None: return
     self._move_drain_deadline(timeout)
     self._wake.set()
-    while self._thread.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
-        self._thread.join(0.1)  # a second call (a second Ctrl-C) may bring the deadline forward meanwhile
-    if self._thread.is_alive() and self.error is None:  # said once, however many shutdowns a server calls
+    if not self._join_by_deadline(self._thread) and self.error is None:  # said once, however many shutdowns a server calls
         self.error = RuntimeError(f"the engine thread did not stop within {self.exit_grace:g} s of the shutdown deadline")
         log.error("%s: it is stuck inside a step, and its requests will not end", self.error)
 
@@ -349,5 +353,5 @@ def _refuse_queued(self: AsyncLLMEngine, error: EngineStopped):
             try: stream.loop.call_soon_threadsafe(_settle, accepted, error)
             except RuntimeError: pass
 
-AsyncLLMEngine.shutdown, AsyncLLMEngine._move_drain_deadline = _shutdown, _move_drain_deadline
+AsyncLLMEngine.shutdown, AsyncLLMEngine._move_drain_deadline, AsyncLLMEngine._join_by_deadline = _shutdown, _move_drain_deadline, _join_by_deadline
 AsyncLLMEngine._close, AsyncLLMEngine._refuse_queued = _close, _refuse_queued

@@ -355,10 +355,8 @@ def _shutdown(self: EngineProcess, timeout: float = 30.0):
             with self._send_lock: self._conn.send(("shutdown", timeout))
         except (OSError, ValueError): pass
     with self._shutdown_lock:  # a server may call this from two threads at once; the second waits, then finds it done
-        ending = self._thread or self.process  # the receiver ends at the last message, or when the pipe closes
-        while ending.is_alive() and time.monotonic() < self._drain_until + self.exit_grace:
-            ending.join(timeout=0.1)  # a second call (a second Ctrl-C) may bring the deadline forward meanwhile
-        if ending.is_alive():  # stuck inside a step, so it never reads the shutdown: a hung device, say
+        # the receiver (if started) ends at the last message or when the pipe closes; an engine stuck in a step sends neither
+        if not self._join_by_deadline(self._thread or self.process):
             log.warning("the engine process did not stop within %g s of the shutdown deadline; killing it", self.exit_grace)
             self._killed = True
             self.process.kill()

@@ -104,9 +104,10 @@ class RequireApiKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
-                message = ("Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
-                           if scheme.lower() == b"bearer" else "Send the API key as 'Authorization: Bearer <key>'.")
+            bearer = scheme.lower() == b"bearer"
+            if not bearer or not hmac.compare_digest(key.strip(), self.expected):
+                message = ("Missing API key: send 'Authorization: Bearer <key>'." if not given else
+                           "Send the API key as 'Authorization: Bearer <key>'." if not bearer else "Incorrect API key provided.")
                 return await error_response(401, message)(scope, receive, send)
         await self.app(scope, receive, send)
 
