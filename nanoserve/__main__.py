@@ -92,6 +92,8 @@ def add_engine_args(p):
     p.add_argument("--fuse-ops", action=argparse.BooleanOptionalAction, default=True, help="fused Triton kernels on CUDA")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and prepare step n+1 while the GPU runs step n (default: on with CUDA)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the computed blocks of common prompt prefixes between requests")
     p.add_argument("--seed", type=int, default=0)
 
 def engine_options(args) -> dict:
@@ -118,7 +120,8 @@ def run_bench_throughput(args) -> int:
     "Offline throughput on random requests (chapter 11c); JSON to stdout."
     check_output_path(args.output_json)
     return _print_json(throughput_benchmark(args.model, args.num_prompts, args.input_len_range, args.output_len_range,
-                                            compare_hf=args.compare == "hf", **engine_options(args)), args.output_json)
+                                            compare_hf=args.compare == "hf", prefix_len=args.prefix_len, **engine_options(args)),
+                       args.output_json)
 
 def run_bench_latency(args) -> int:
     "Milliseconds per output token for one batch of fixed-length requests (chapter 11c); JSON to stdout."
@@ -134,6 +137,7 @@ def add_bench_parser(sub):
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024], metavar=("LOW", "HIGH"))
     t.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024], metavar=("LOW", "HIGH"))
+    t.add_argument("--prefix-len", type=int, default=0, help="every prompt starts with the same this many random tokens")
     t.add_argument("--compare", choices=["hf"], default=None, help="also time transformers' continuous batching")
     t.set_defaults(func=run_bench_throughput)
     l = bench.add_parser("latency", help="time per output token of one batch")

@@ -28,11 +28,13 @@ def check_ranges(**ranges):
         if not 1 <= lo <= hi: raise ValueError(f"{name}=({lo}, {hi}): expected 1 <= low <= high")
 
 def random_requests(num_requests: int = 256, input_len: tuple = (100, 1024), output_len: tuple = (100, 1024),
-                    vocab_size: int = 32000, seed: int = 0) -> list:
+                    vocab_size: int = 32000, seed: int = 0,
+                    prefix_len: int = 0) -> list:  # every prompt starts with the same prefix_len random tokens (vLLM's --random-prefix-len)
     "Seeded (prompt token ids, output length) pairs with lengths uniform in the given inclusive ranges."
     check_ranges(input_len=input_len, output_len=output_len)
     rng = random.Random(seed)
-    return [([rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    return [(prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
             for _ in range(num_requests)]
 
 # %% ../chapters/11c_benchmark.ipynb #0bb896cb
@@ -51,7 +53,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 # %% ../chapters/11c_benchmark.ipynb #5bd16b1f
 def workload_floor(cfg: ModelConfig, dtype: torch.dtype, requests: list, max_num_seqs: int,
-                   copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
+                   copy_bytes_per_s: float, matmul_flops_per_s: float,
+                   shared_prefix_len: int = 0) -> dict:  # the prompts' first tokens are the same: computed once (chapter 10b)
     "The least time any engine needs for `requests`: decode bytes over copy bandwidth + prefill FLOPs over matmul rate."
     p = [len(ids) for ids, _ in requests]
     o = [n for _, n in requests]
@@ -60,8 +63,9 @@ def workload_floor(cfg: ModelConfig, dtype: torch.dtype, requests: list, max_num
     c = kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     decode_bytes = steps * weight_bytes_per_step(cfg, dtype) + c * kv_reads
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    prefill_flops = (2 * matmul_params(cfg) * sum(p) + 2 * cfg.hidden_size * cfg.vocab_size * len(p)
-                     + attn * sum(x * (x + 1) // 2 for x in p))
+    again, L = len(p) - 1, shared_prefix_len  # every prompt but the first could take its first L positions from a cache
+    prefill_flops = (2 * matmul_params(cfg) * (sum(p) - again * L) + 2 * cfg.hidden_size * cfg.vocab_size * len(p)
+                     + attn * (sum(x * (x + 1) // 2 for x in p) - again * L * (L + 1) // 2))
     decode_s, prefill_s = decode_bytes / copy_bytes_per_s, prefill_flops / matmul_flops_per_s
     return {"seconds": decode_s + prefill_s, "decode_seconds": decode_s, "prefill_seconds": prefill_s,
             "decode_steps": steps, "decode_bytes": decode_bytes, "prefill_flops": prefill_flops,
@@ -96,11 +100,12 @@ def _alloc_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
 
 def time_engine(llm: LLM, requests: list) -> dict:
-    "Wall time and token rates of one LLM.generate over `requests` (after a warm-up on the first few)."
+    "Wall time and token rates of one LLM.generate over `requests` (after a warm-up on the first few, then a cold prefix cache)."
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     warm = requests[:4]
     llm.generate([ids for ids, _ in warm], [SamplingParams(temperature=0, max_tokens=min(8, n), ignore_eos=True) for _, n in warm],
                  use_tqdm=False)
+    llm.reset_prefix_cache()  # the timed run must not find the warm-up's prompts
     engine = llm.llm_engine
     preempted_before, phases_before, retries_before = engine.scheduler.num_preemptions, dict(engine.step_seconds), _alloc_retries()
     start = time.perf_counter()
@@ -109,6 +114,7 @@ def time_engine(llm: LLM, requests: list) -> dict:
     out_tokens, in_tokens = sum(len(o.token_ids) for o in outs), sum(len(ids) for ids, _ in requests)
     if out_tokens != sum(n for _, n in requests): raise RuntimeError(f"the engine produced {out_tokens} tokens, not {sum(n for _, n in requests)}")
     return {"seconds": wall, "output_tokens": out_tokens, "prompt_tokens": in_tokens,
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
             "output_tokens_per_s": out_tokens / wall, "total_tokens_per_s": (out_tokens + in_tokens) / wall,
             "requests_per_s": len(requests) / wall, "preemptions": engine.scheduler.num_preemptions - preempted_before,
             "step_seconds": {k: v - phases_before[k] for k, v in engine.step_seconds.items()},
@@ -169,22 +175,24 @@ def fit_context(model, longest: int, engine_options: dict) -> dict:
     return {**engine_options, "max_model_len": longest}
 
 def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 1024), output_len=(100, 1024), seed: int = 0,
-                         compare_hf: bool = False, **engine_options) -> dict:
+                         compare_hf: bool = False, prefix_len: int = 0, **engine_options) -> dict:
     "Run the offline throughput benchmark; returns the JSON record (engine, floor, optional transformers)."
     check_counts(num_prompts=num_prompts)  # before the model loads
+    check_counts(0, prefix_len=prefix_len)
     check_ranges(input_len=input_len, output_len=output_len)
-    engine_options = fit_context(model, input_len[1] + output_len[1], engine_options)
+    engine_options = fit_context(model, prefix_len + input_len[1] + output_len[1], engine_options)
     llm = LLM(model, seed=seed, **engine_options)
     runner, cfg = llm.llm_engine.runner, llm.llm_engine.model.config
-    requests = random_requests(num_prompts, tuple(input_len), tuple(output_len), cfg.vocab_size, seed)
+    requests = random_requests(num_prompts, tuple(input_len), tuple(output_len), cfg.vocab_size, seed, prefix_len)
     res = {"benchmark": "throughput", "model": str(model or "default"), **environment(),
-           "workload": {"num_prompts": num_prompts, "input_len": list(input_len), "output_len": list(output_len), "seed": seed,
+           "workload": {"num_prompts": num_prompts, "prefix_len": prefix_len, "input_len": list(input_len), "output_len": list(output_len), "seed": seed,
                         "ignore_eos": True, "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests)},
            "engine": {**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(llm.llm_engine.config).items()},
                       "dtype": str(runner.dtype), "num_kv_blocks": runner.num_blocks, "cuda_graphs": len(runner.graphs)}}
     if runner.device.type == "cuda":
         res["copy_bytes_per_s"], res["matmul_flops_per_s"] = copy_bandwidth(runner.device), matmul_rate(runner.device, runner.dtype)
-        res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"], res["matmul_flops_per_s"])
+        res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"],
+                                      res["matmul_flops_per_s"], prefix_len)
         torch.cuda.empty_cache()  # hand the measurements' 2 GiB back: an allocator short of memory frees blocks, which waits for the GPU
     res["nanoserve"] = time_engine(llm, requests)
     if "floor" in res: res["fraction_of_floor"] = res["floor"]["seconds"] / res["nanoserve"]["seconds"]
@@ -213,6 +221,7 @@ def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, b
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=min(8, output_len), ignore_eos=True), use_tqdm=False)  # warm-up
     runs = []
     for _ in range(num_iters):
+        llm.reset_prefix_cache()  # each iteration computes its prompts: the same prompts would hit the cache
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start

@@ -57,22 +57,47 @@ class BlockManager:
     def num_tokens(self, seq_id) -> int: self._table(seq_id); return self.seq_lens[seq_id]
 
     def _take(self) -> int:
+        "A block off the free list, now held by one table."
         block = self.free_block_ids.popleft()
         self.ref_counts[block] += 1
         return block
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        "Whether the free blocks can hold a new sequence of `num_tokens` tokens."
-        return blocks_needed(_positive_int("num_tokens", num_tokens), self.block_size) <= self.num_free_blocks
+    def _share(self, block: int) -> int:
+        "`block`, held by one more table."
+        self.ref_counts[block] += 1
+        return block
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+    def _give_back(self, block: int):
+        "A block that no table holds any more: to the end of the free list."
+        self.free_block_ids.append(block)
+
+    def _sharable(self, block: int) -> bool: return self.ref_counts[block] > 0  # in some table: its tokens are there
+
+    def blocks_to_take(self, num_tokens: int, shared=()) -> int:
+        "How many free blocks a new sequence of `num_tokens` tokens takes, when its first blocks are the `shared` ones."
+        n, shared = blocks_needed(_positive_int("num_tokens", num_tokens), self.block_size), list(shared)
+        if len(shared) * self.block_size > num_tokens:
+            raise ValueError(f"{len(shared)} shared blocks of {self.block_size} hold more than the sequence's {num_tokens} tokens; "
+                             f"only full blocks can be shared")
+        if len(set(shared)) < len(shared) or not all(0 <= b < self.num_blocks and self._sharable(b) for b in shared):
+            raise ValueError(f"shared blocks must be distinct blocks that hold tokens already; got {shared[:8]}")
+        return n - len(shared)
+
+    def can_allocate(self, num_tokens: int, shared=()) -> bool:
+        "Whether the free blocks can hold a new sequence of `num_tokens` tokens (its first blocks `shared`)."
+        return self.blocks_to_take(num_tokens, shared) <= self.num_free_blocks
+
+    def allocate(self, seq_id: Hashable, num_tokens: int,
+                 shared=()) -> list[int]:  # full blocks that already hold its first tokens (a common prefix, chapter 10b)
         "Give the new sequence `seq_id` the blocks for its first `num_tokens` tokens; returns its block table."
         if seq_id in self.block_tables: raise ValueError(f"seq_id={seq_id!r} already holds blocks; free it first")
-        n = blocks_needed(_positive_int("num_tokens", num_tokens), self.block_size)
+        n = self.blocks_to_take(num_tokens, shared)
         if n > self.num_free_blocks:
             raise OutOfBlocks(f"allocate({seq_id!r}, {num_tokens}) needs {n} block{'s' * (n > 1)} but only {self.num_free_blocks} "
                               f"of {self.num_blocks} are free; ask can_allocate first")
-        self.block_tables[seq_id], self.seq_lens[seq_id] = [self._take() for _ in range(n)], num_tokens
+        table = [self._share(b) for b in shared]  # first: taking new blocks must not take these (chapter 10b)
+        table += [self._take() for _ in range(blocks_needed(num_tokens, self.block_size) - len(table))]
+        self.block_tables[seq_id], self.seq_lens[seq_id] = table, num_tokens
         return self.block_table(seq_id)
 
     def can_append(self, seq_id, num_tokens: int = 1) -> bool:
@@ -84,7 +109,7 @@ class BlockManager:
         "Record one more token of `seq_id` and return its slot, taking a new block when the token starts one."
         table, n = self._table(seq_id), self.seq_lens[seq_id]
         if n % self.block_size == 0:  # the last block is full: this token starts a new one
-            if not self.free_block_ids:
+            if not self.num_free_blocks:
                 raise OutOfBlocks(f"append_slot({seq_id!r}): token {n} needs a new block and all {self.num_blocks} "
                                   f"are in use; ask can_append first")
             table.append(self._take())
@@ -95,7 +120,7 @@ class BlockManager:
         "Drop the block table of `seq_id`; blocks that no other table holds go back to the free list."
         for block in reversed(self._table(seq_id)):  # tail first: a prefix cache would rather keep the head blocks
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0: self.free_block_ids.append(block)
+            if self.ref_counts[block] == 0: self._give_back(block)
         del self.block_tables[seq_id], self.seq_lens[seq_id]
 
     def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> list[int]:

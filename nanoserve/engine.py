@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .generate import prompt_token_ids
 from .loader import load_model, resolve_model
 from .model_runner import EngineConfig, LaunchedStep, ModelRunner
+from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer
@@ -60,6 +61,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list | None = None  # TokenLogprobs per generated token, when params.logprobs is set
     error: str | None = None      # why the engine failed this request (finish_reason "abort"), if it did
+    num_cached_tokens: int = 0    # prompt tokens whose keys and values the prefix cache held (chapter 10b)
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
 @dataclass
@@ -82,7 +84,7 @@ class Request:
         ids, logprobs = seq.output_token_ids, self.logprobs  # snapshot=False: the live lists, O(1) instead of O(tokens)
         if snapshot: ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
         return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished,
-                             seq.finish_reason, self.metrics, logprobs, self.error)
+                             seq.finish_reason, self.metrics, logprobs, self.error, seq.num_cached_tokens)
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -106,7 +108,9 @@ class LLMEngine:
         self.model = load_model(c.model, c.dtype, c.device, c.load_format, c.seed)
         self.tokenizer = _tokenizer_or_none(c.model)
         self.runner = ModelRunner(self.model, c)
-        self.scheduler = Scheduler(self.runner.scheduler_config, BlockManager(self.runner.num_blocks, c.block_size))
+        caching = c.enable_prefix_caching
+        blocks = (PrefixCachingBlockManager if caching else BlockManager)(self.runner.num_blocks, c.block_size)
+        self.scheduler = (PrefixCachingScheduler if caching else Scheduler)(self.runner.scheduler_config, blocks)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else \
             frozenset(generation_eos_token_ids(resolve_model(c.model, config_only=True)))  # token-id prompts only
         self.requests: dict = {}  # request_id -> Request, until it finishes
@@ -230,7 +234,13 @@ def _abort(self: LLMEngine, request_id) -> RequestOutput | None:
     req.metrics.finished_time = time.monotonic()
     return req.output()
 
-LLMEngine.abort = _abort
+def _reset_prefix_cache(self: LLMEngine) -> bool:
+    "Forget every cached block (vLLM's name), so that the next prompts are computed from scratch; False without a prefix cache."
+    if not isinstance(self.scheduler.blocks, PrefixCachingBlockManager): return False
+    self.scheduler.blocks.reset_prefix_cache()
+    return True
+
+LLMEngine.abort, LLMEngine.reset_prefix_cache = _abort, _reset_prefix_cache
 
 # %% ../chapters/11b_engine.ipynb #23f0869e
 def _as_prompt_list(prompts) -> list:
@@ -264,6 +274,7 @@ class LLM:
         self.llm_engine = LLMEngine(model, **engine_options)
 
     def get_tokenizer(self) -> Tokenizer | None: return self.llm_engine.tokenizer
+    def reset_prefix_cache(self) -> bool: return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         "Generate for every prompt; returns RequestOutputs in the order of the prompts."

@@ -30,10 +30,11 @@ class OutputDelta:
     finish_reason: str | None = None
     error: str | None = None      # why the engine failed this request, if it did
     metrics: RequestMetrics | None = None  # the request's timings, once it has finished
+    num_cached_tokens: int = 0    # prompt tokens the prefix cache held (chapter 10b)
 
     def __reduce__(self):  # pickled as the constructor's arguments, not as a slotted dataclass's state (timed below)
         return OutputDelta, (self.request_id, self.text_start, self.text, self.token_ids, self.logprobs, self.finished,
-                             self.finish_reason, self.error, self.metrics)
+                             self.finish_reason, self.error, self.metrics, self.num_cached_tokens)
 
 class DeltaTracker:
     "The engine process's memory of what it has sent of each request."
@@ -45,7 +46,7 @@ class DeltaTracker:
         if not out.finished: self.sent[out.request_id] = (out.text, len(out.token_ids))
         return OutputDelta(out.request_id, start, out.text[start:], out.token_ids[n:],
                            None if out.logprobs is None else out.logprobs[n:], out.finished, out.finish_reason,
-                           out.error, out.metrics if out.finished else None)
+                           out.error, out.metrics if out.finished else None, out.num_cached_tokens)
 
 @dataclass(eq=False)
 class OutputAssembly(LiveOutput):
@@ -61,12 +62,14 @@ class OutputAssembly(LiveOutput):
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # apply and output, on two threads
     applied: int = 0  # deltas that changed the output
     read: int = 0     # ... of which the stream's reader has seen all by now
+    num_cached_tokens: int = 0
 
     def apply(self, d: OutputDelta):
         "Add a delta's text, tokens and log probabilities; the lists grow in place, and none is copied."
         with self.lock:
             if d.token_ids or d.text or d.text_start != len(self.text): self.applied += 1
             self.text = self.text[:d.text_start] + d.text
+            self.num_cached_tokens = d.num_cached_tokens
             self.token_ids += d.token_ids
             if d.logprobs is not None:
                 if self.logprobs is None: self.logprobs = []
@@ -88,7 +91,8 @@ class OutputAssembly(LiveOutput):
         reason, metrics = (last.finish_reason, last.metrics) if done else (None, None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
                              reason, metrics or RequestMetrics(self.arrival_time),
-                             None if self.logprobs is None else list(self.logprobs), None if last is None else last.error)
+                             None if self.logprobs is None else list(self.logprobs), None if last is None else last.error,
+                             self.num_cached_tokens)
 
 # %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:

@@ -41,6 +41,7 @@ class EngineConfig:
     enforce_eager: bool = False
     fuse_ops: bool = True                 # fused Triton kernels for the small ops, on CUDA
     async_scheduling: bool | None = None  # prepare step n+1 while the GPU runs step n (11b); None: on for CUDA
+    enable_prefix_caching: bool = True    # share the computed blocks of common prompt prefixes (chapter 10b)
     seed: int = 0
 
     def __post_init__(self):
@@ -54,7 +55,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most {MAX_SEQS_PER_STEP} sequences per step (the attention kernels' grid)")
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"): positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1): raise ValueError(f"block_size={self.block_size}: expected a power of two")
-        for name in ("enforce_eager", "fuse_ops"):
+        for name in ("enforce_eager", "fuse_ops", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool): raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['Items', 'MAX_STOPS', 'ACCEPTED', 'OpenAIModel', 'StreamOptions', 'only_accepted', 'SamplingRequest',
            'CompletionRequest', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'InvalidRequest', 'token_budget',
-           'sampling_params', 'Usage', 'CompletionLogprobs', 'CompletionChoice', 'CompletionResponse', 'TopLogprob',
-           'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard',
-           'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage',
-           'completion_logprobs', 'chat_logprobs', 'new_id', 'completion_response', 'chat_response', 'chunk',
-           'completion_delta', 'chat_delta']
+           'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs', 'CompletionChoice',
+           'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice',
+           'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes',
+           'token_text', 'usage', 'completion_logprobs', 'chat_logprobs', 'new_id', 'completion_response',
+           'chat_response', 'chunk', 'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
 import codecs, time, uuid
@@ -189,10 +189,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int) -> SamplingParams:
                           ignore_eos=req.ignore_eos, logprobs=n)
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values the prefix cache held (chapter 10b)
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
@@ -284,7 +288,8 @@ def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
 def usage(out: RequestOutput) -> dict:
     "Exact token counts of a request."
     n, m = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, text_offset: int = 0) -> dict | None:
     "Completions-style log probabilities of tokens [start, end) of `out`; offsets count from `text_offset`."

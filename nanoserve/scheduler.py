@@ -32,6 +32,8 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
+        self.num_cached_tokens = 0    # prompt tokens that a prefix cache held at its first admission (chapter 10b)
+        self.block_hashes: list = []  # chapter 10b: a hash of each full block of its tokens, as far as computed
         self.block_table: list = []   # the block manager's table for this sequence while it runs
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.num_preemptions = 0
@@ -74,7 +76,7 @@ class SchedulerConfig:
 class SchedulerOutput:
     "One step's batch: the sequences, in order, and how many new tokens each brings."
     seqs: list                 # Sequence objects
-    num_new_tokens: list       # per sequence: its whole context in a prefill step, 1 in a decode step
+    num_new_tokens: list       # per sequence: its context but a cached prefix (10b) in a prefill step, 1 in a decode step
     is_prefill: bool
     preempted: list = field(default_factory=list)  # sequences sent back to waiting in this step
     recorded: bool = False     # set by update(), which takes a step's tokens once
@@ -142,19 +144,26 @@ def _admit(self: Scheduler) -> list:
     while self.waiting and len(self.running) < cfg.max_num_seqs:
         seq = self.waiting[0]
         n = seq.num_tokens  # prompt, plus what it had generated before a preemption
+        shared = self._cached_prefix(seq)
+        new = n - len(shared) * self.blocks.block_size  # the tokens this step computes
         reserve = self.watermark_blocks if self.running else 0
-        if tokens + n > cfg.max_num_batched_tokens: break
-        if blocks_needed(n, self.blocks.block_size) + reserve > self.blocks.num_free_blocks: break
-        self.blocks.allocate(seq.seq_id, n)  # first: if it raises, the sequence is still waiting
+        if tokens + new > cfg.max_num_batched_tokens: break
+        if self.blocks.blocks_to_take(n, shared) + reserve > self.blocks.num_free_blocks: break
+        self.blocks.allocate(seq.seq_id, n, shared)  # first: if it raises, the sequence is still waiting
         self.waiting.popleft()
         seq.block_table = self.blocks.block_tables[seq.seq_id]  # the live table: it grows as the sequence does
-        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 0
+        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, n - new
+        if not seq.num_preemptions: seq.num_cached_tokens = n - new
         self.running.append(seq)  # at once: should a later allocation raise, what came before is consistent
         admitted.append(seq)
-        tokens += n
+        tokens += new
     return admitted
 
-Scheduler._admit = _admit
+def _cached_prefix(self: Scheduler, seq: Sequence) -> list:
+    "Full blocks that hold the first tokens of `seq` already, to share rather than compute again: none here (chapter 10b)."
+    return []
+
+Scheduler._admit, Scheduler._cached_prefix = _admit, _cached_prefix
 
 # %% ../chapters/10_scheduler.ipynb #28942eb8
 def _preempt(self: Scheduler, seq: Sequence):
@@ -203,7 +212,7 @@ Scheduler._schedule_decode, Scheduler._pick_victim = _schedule_decode, _pick_vic
 def _schedule(self: Scheduler) -> SchedulerOutput:
     "This step's batch: newly admitted sequences (prefill) if any fit, else one token for every running one (decode)."
     admitted = self._admit()
-    if admitted: out = SchedulerOutput(admitted, [s.num_tokens for s in admitted], True)
+    if admitted: out = SchedulerOutput(admitted, [s.num_tokens - s.num_computed_tokens for s in admitted], True)
     else: out = self._schedule_decode()
     if self.trace is not None:
         self.trace.append(StepTrace(self.num_steps, out.is_prefill, [s.seq_id for s in out.seqs],

@@ -139,6 +139,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.preemptions = counter("num_preemptions", "Preemptions suffered by finished requests.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens of finished requests, looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens of finished requests that the prefix cache held.")
         self.success = Counter("nanoserve:request_success", "Finished requests, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
@@ -156,6 +158,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(n_prompt)
         self.generation_tokens.inc(n_out)
         self.preemptions.inc(m.num_preemptions)
+        self.prefix_queries.inc(n_prompt)
+        self.prefix_hits.inc(out.num_cached_tokens)
         self.success.labels(model_name=self.model_name, finished_reason=out.finish_reason or "abort").inc()
         self.request_prompt_tokens.observe(n_prompt)
         self.request_generation_tokens.observe(n_out)

@@ -18,6 +18,18 @@ def test_random_requests_are_seeded_and_in_range():
     assert a == b and a != random_requests(50, (10, 20), (3, 5), 100, seed=2)
     assert all(10 <= len(p) <= 20 and 3 <= n <= 5 and max(p) < 100 for p, n in a)
     with pytest.raises(ValueError, match="input_len"): random_requests(1, (5, 2))
+    shared = random_requests(20, (10, 20), (3, 5), 100, seed=1, prefix_len=7)
+    assert all(p[:7] == shared[0][0][:7] and 17 <= len(p) <= 27 for p, _ in shared)
+    assert len({tuple(p[7:]) for p, _ in shared}) == 20  # the prefix is shared, the rest is each prompt's own
+
+
+def test_floor_counts_a_shared_prefix_once():
+    cfg = ModelConfig.from_json(CONFIGS / "Llama-3.2-1B")
+    reqs = [([0] * 10, 3), ([0] * 4, 2), ([0] * 6, 2)]
+    plain, shared = (workload_floor(cfg, torch.bfloat16, reqs, 8, 1e12, 1e15, shared_prefix_len=n) for n in (0, 3))
+    attn = 4 * 16 * 32 * 64
+    assert plain["prefill_flops"] - shared["prefill_flops"] == 2 * (2 * matmul_params(cfg) * 3 + attn * 6)  # 2 prompts skip 3 tokens
+    assert plain["decode_bytes"] == shared["decode_bytes"]  # decode still reads every position
 
 
 @pytest.mark.parametrize("name, params", [("Llama-3.2-1B", 1.236e9), ("Qwen3-0.6B", 0.596e9), ("Llama-3.1-8B", 8.03e9)])
@@ -50,6 +62,15 @@ def test_bench_throughput_and_latency_cli(tmp_path, capsys):
     assert r == json.loads(capsys.readouterr().out)
     assert r["nanoserve"]["output_tokens"] == r["workload"]["output_tokens"] and r["nanoserve"]["output_tokens_per_s"] > 0
     assert r["command"].startswith("nanoserve") and r["engine"]["num_kv_blocks"] == 64 and "floor" not in r  # no GPU, no floor
+    assert r["engine"]["enable_prefix_caching"] and r["nanoserve"]["cached_prompt_tokens"] == 0  # the warm-up's blocks are forgotten
+    assert main(["bench", "throughput", "--model", d, "--device", "cpu", "--num-kv-blocks", "64", "--num-prompts", "5",
+                 "--max-num-seqs", "1", "--prefix-len", "40", "--input-len-range", "4", "9", "--output-len-range", "2", "6"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["prefix_len"] == 40 and r["nanoserve"]["cached_prompt_tokens"] == 4 * 32  # 2 blocks, for the last 4
+    assert main(["bench", "throughput", "--model", d, "--device", "cpu", "--num-kv-blocks", "64", "--num-prompts", "2",
+                 "--prefix-len", "40", "--no-enable-prefix-caching", "--input-len-range", "4", "9", "--output-len-range", "2", "6"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert not r["engine"]["enable_prefix_caching"] and r["nanoserve"]["cached_prompt_tokens"] == 0
     assert main(["bench", "latency", "--model", d, "--device", "cpu", "--num-kv-blocks", "64", "--input-len", "5",
                  "--output-len", "3", "--num-iters", "1"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -65,7 +86,8 @@ def test_bench_bad_engine_option_exits_2(capsys):
 @pytest.mark.parametrize("flags, message", [(["latency", "--batch-size", "0"], "batch_size=0"),
                                            (["latency", "--num-iters", "0"], "num_iters=0"),
                                            (["latency", "--output-len", "1"], "output_len=1"),
-                                           (["throughput", "--num-prompts", "0"], "num_prompts=0")])
+                                           (["throughput", "--num-prompts", "0"], "num_prompts=0"),
+                                           (["throughput", "--prefix-len", "-1"], "prefix_len=-1")])
 def test_bench_counts_below_one_exit_2(capsys, flags, message):
     with pytest.raises(SystemExit) as e:
         main(["bench", *flags, "--model", "/no/such/model"])  # refused before the model would load

@@ -160,7 +160,7 @@ def test_the_engine_process_takes_outputs_without_copies():
 def test_output_delta_pickles_to_itself():
     "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
     d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",
-                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1))
+                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32)
     assert pickle.loads(pickle.dumps(d)) == d
 
 

@@ -109,6 +109,24 @@ def test_completions_equal_llm_generate(client, reference):
 
 
 
+def test_usage_and_metrics_report_the_prefix_cache(client, url):
+    "A repeated prompt finds its full blocks in the prefix cache: usage says how many tokens, and /metrics counts them."
+    messages = [{"role": "system", "content": "You answer in one word. " * 8}, {"role": "user", "content": "Sky colour?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    wait_until_idle(url)
+    before = {n: metric(url, f"nanoserve:{n}") for n in ("prefix_cache_queries_total", "prefix_cache_hits_total")}
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    wait_until_idle(url)
+    n = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0  # whole blocks, the last token computed
+    assert first.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens_details.cached_tokens
+    assert metric(url, "nanoserve:prefix_cache_queries_total") - before["prefix_cache_queries_total"] == n
+    assert metric(url, "nanoserve:prefix_cache_hits_total") - before["prefix_cache_hits_total"] == (n - 1) // 16 * 16
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, stream=True,
+                                         stream_options={"include_usage": True})
+    assert [c.usage for c in streamed][-1].prompt_tokens_details.cached_tokens % 16 == 0
+
+
 def test_metrics_count_tokens_and_latencies(client, url):
     "Every counter and histogram of /metrics moves by what one request did."
     names = ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
