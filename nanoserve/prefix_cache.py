@@ -10,7 +10,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from .block_manager import BlockManager, OutOfBlocks
+from .block_manager import BlockManager
 from .scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 # %% ../chapters/10b_prefix_cache.ipynb #66fc4e6c
