@@ -193,7 +193,8 @@ def _step(self: LLMEngine) -> list:
         reqs = [self.requests[s.seq_id] for s in out.seqs]
         for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
         running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
-        launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), reqs)
+        sampled_reqs = [r for r in reqs if r.seq not in out.partial] if out.partial else reqs  # those that take a token
+        launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
     t2 = time.perf_counter()
     self.step_seconds["schedule"] += t1 - t0
     self.step_seconds["prepare_and_launch"] += t2 - t1
@@ -208,10 +209,12 @@ def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
     "Take one launched step's tokens on the host: record them, detokenize, check stops; the outputs to report."
     t0 = time.perf_counter()
     sampled = launched.result()  # waits for this step's tokens, not for a step launched after it
-    out, was_finished = launched.out, [s.is_finished for s in launched.out.seqs]  # aborted or stopped meanwhile
+    out = launched.out
+    seqs = out.sampled_seqs  # a chunk that ends before its prompt does brings no token
+    was_finished = [s.is_finished for s in seqs]  # aborted or stopped meanwhile
     self.scheduler.update(out, sampled.token_ids.tolist())
     t1, now, outputs = time.perf_counter(), time.monotonic(), []
-    for row, (seq, req, skip) in enumerate(zip(out.seqs, reqs, was_finished)):
+    for row, (seq, req, skip) in enumerate(zip(seqs, reqs, was_finished)):
         if skip: continue  # this token was computed after the sequence ended: throw it away
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.num_preemptions = seq.num_preemptions

@@ -36,12 +36,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len); 8192 with chunked prefill
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enforce_eager: bool = False
     fuse_ops: bool = True                 # fused Triton kernels for the small ops, on CUDA
     async_scheduling: bool | None = None  # prepare step n+1 while the GPU runs step n (11b); None: on for CUDA
     enable_prefix_caching: bool = True    # share the computed blocks of common prompt prefixes (chapter 10b)
+    enable_chunked_prefill: bool = False  # compute a long prompt over several steps (chapter 10)
     seed: int = 0
 
     def __post_init__(self):
@@ -55,7 +56,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: at most {MAX_SEQS_PER_STEP} sequences per step (the attention kernels' grid)")
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"): positive(name, allow_none=True)
         if self.block_size & (self.block_size - 1): raise ValueError(f"block_size={self.block_size}: expected a power of two")
-        for name in ("enforce_eager", "fuse_ops", "enable_prefix_caching"):
+        for name in ("enforce_eager", "fuse_ops", "enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool): raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
@@ -71,8 +72,10 @@ def scheduler_config(config: EngineConfig, model_max_len: int) -> SchedulerConfi
     max_model_len = config.max_model_len or model_max_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens")
-    return SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                           max_num_batched_tokens=config.max_num_batched_tokens or max(8192, max_model_len))
+    chunked = config.enable_chunked_prefill  # then a step need not hold a whole prompt
+    budget = config.max_num_batched_tokens or (8192 if chunked else max(8192, max_model_len))
+    return SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                           enable_chunked_prefill=chunked)
 
 # %% ../chapters/11a_model_runner.ipynb #b17fe653
 @dataclass
@@ -109,7 +112,9 @@ def prepare_inputs(out: SchedulerOutput, blocks: BlockManager, device, pad_to: i
     ids, positions, slots, lens, tables, src, bs = [], [], [], [], [], [], blocks.block_size
     for seq, n in zip(out.seqs, out.num_new_tokens):
         table, total = blocks.block_tables[seq.seq_id], blocks.seq_lens[seq.seq_id]  # tokens recorded, the new ones included
-        if n == 1:  # one token, whose id may still be on the GPU: then it is taken from there, by its row
+        chunk_end = out.partial.get(seq)  # a chunk of a prompt that ends before the prompt does (chunked prefill)
+        if chunk_end is not None: total = chunk_end
+        if n == 1 and chunk_end is None:  # one token, whose id may still be on the GPU: then it is taken from there, by its row
             row = rows.get(seq, -1)
             ids.append(seq.last_token_id if row < 0 else 0); src.append(row)
             positions.append(total - 1); slots.append(table[(total - 1) // bs] * bs + (total - 1) % bs)
@@ -231,7 +236,7 @@ class LaunchedStep:
     copied: object = None    # a torch.cuda.Event, or None on a CPU, where the copies are done already
 
     @property
-    def rows(self) -> dict: return {s: i for i, s in enumerate(self.out.seqs)}  # Sequence -> its row (by identity: ids may be reused)
+    def rows(self) -> dict: return {s: i for i, s in enumerate(self.out.sampled_seqs)}  # Sequence -> its row (by identity: ids may be reused)
 
     def result(self) -> SamplerOutput:
         "The sampled tokens on the host; waits for this step's copy only, not for the steps queued after it."
@@ -255,7 +260,11 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     "Queue one scheduled step, sampling one token per sequence on the device; returns without waiting for it."
     in_flight = None if running is None else (running.rows, running.sampled.token_ids)
     inputs = prepare_inputs(out, blocks, self.device, pad_to=self.graph_size(out), tokens_in_flight=in_flight)
-    sampled = sample(self.forward(inputs)[:len(out.seqs)], [s.params for s in out.seqs], generators)
+    logits = self.forward(inputs)[:len(out.seqs)]
+    if out.partial:  # a chunk that ends before its prompt does samples nothing (nor draws from the request's generator)
+        keep = [i for i, s in enumerate(out.seqs) if s not in out.partial]
+        logits, generators = logits[keep], None if generators is None else [generators[i] for i in keep]
+    sampled = sample(logits, [s.params for s in out.sampled_seqs], generators)
     return LaunchedStep(out, sampled, *_copy_to_host(sampled))
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:

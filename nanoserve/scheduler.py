@@ -59,30 +59,43 @@ class Sequence:
 class SchedulerConfig:
     "The budgets of one step, and the longest sequence the engine accepts."
     max_num_seqs: int = 256              # sequences per step
-    max_num_batched_tokens: int = 8192   # tokens per step (prefill: whole prompts; decode: one per sequence)
+    max_num_batched_tokens: int = 8192   # tokens per step (prefill: whole prompts, or chunks of them; decode: one per sequence)
     max_model_len: int = 2048            # prompt + generated tokens of one sequence
+    enable_chunked_prefill: bool = False # split a prompt that does not fit into what is left of a step's budget
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r}: expected True or False")
+        if self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
-                             f"{self.max_model_len}: without chunked prefill a prompt must fit in one step")
+                             f"{self.max_model_len}: without chunked prefill a prompt must fit in one step "
+                             "(enable_chunked_prefill=True splits it)")
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
+                             "a decode step brings one token for each sequence")
 
 # %% ../chapters/10_scheduler.ipynb #f670261d
 @dataclass
 class SchedulerOutput:
     "One step's batch: the sequences, in order, and how many new tokens each brings."
     seqs: list                 # Sequence objects
-    num_new_tokens: list       # per sequence: its context but a cached prefix (10b) in a prefill step, 1 in a decode step
+    num_new_tokens: list       # per sequence: its context but a cached prefix (10b), or a chunk of it, in a prefill step; 1 in a decode step
     is_prefill: bool
     preempted: list = field(default_factory=list)  # sequences sent back to waiting in this step
+    partial: dict = field(default_factory=dict)    # chunked prefill: Sequence -> where its chunk ends, short of its prompt's end
     recorded: bool = False     # set by update(), which takes a step's tokens once
 
     @property
     def num_batched_tokens(self) -> int: return sum(self.num_new_tokens)
+
+    @property
+    def sampled_seqs(self) -> list:
+        "The sequences that take a token from this step: all but those whose prompt the step computes only part of."
+        return [s for s in self.seqs if s not in self.partial] if self.partial else self.seqs
 
 @dataclass
 class StepTrace:
@@ -106,6 +119,7 @@ class Scheduler:
         self.waiting: deque = deque()  # arrival order; preempted sequences go to the front
         self.running: list = []        # admission order: the oldest first
         self.seqs: dict = {}           # seq_id -> Sequence, for every unfinished sequence
+        self.prefilling: tuple | None = None  # chunked prefill: (the sequence whose prompt is half done, tokens scheduled so far)
         self.num_steps = self.num_preemptions = 0
         self.trace: list | None = [] if trace else None
 
@@ -138,44 +152,58 @@ def _add(self: Scheduler, seq: Sequence):
 Scheduler._check_fits, Scheduler.add = _check_fits, _add
 
 # %% ../chapters/10_scheduler.ipynb #6dbd05bf
-def _admit(self: Scheduler) -> list:
-    "Move waiting sequences to running while the budgets allow, in order; returns them."
-    admitted, tokens, cfg = [], 0, self.config
-    while self.waiting and len(self.running) < cfg.max_num_seqs:
+def _schedule_prefill(self: Scheduler) -> SchedulerOutput | None:
+    "A prefill step: the next chunk of a prompt begun before, then waiting sequences in order while the budgets allow; None if none fits."
+    seqs, counts, partial, cfg = [], [], {}, self.config
+    budget = cfg.max_num_batched_tokens
+    if self.prefilling:  # chunked prefill: the prompt that earlier steps began goes on first
+        seq, done = self.prefilling
+        n = min(seq.num_tokens - done, budget)
+        seqs.append(seq); counts.append(n); budget -= n
+        self.prefilling = (seq, done + n) if done + n < seq.num_tokens else None
+        if self.prefilling: partial[seq] = done + n
+    while self.waiting and not self.prefilling and budget and len(self.running) < cfg.max_num_seqs:
         seq = self.waiting[0]
         n = seq.num_tokens  # prompt, plus what it had generated before a preemption
         shared = self._cached_prefix(seq)
-        new = n - len(shared) * self.blocks.block_size  # the tokens this step computes
+        done = len(shared) * self.blocks.block_size  # tokens whose keys and values the cache holds already
+        new = min(n - done, budget) if cfg.enable_chunked_prefill else n - done  # the tokens this step computes
         reserve = self.watermark_blocks if self.running else 0
-        if tokens + new > cfg.max_num_batched_tokens: break
+        if new > budget: break
         if self.blocks.blocks_to_take(n, shared) + reserve > self.blocks.num_free_blocks: break
-        self.blocks.allocate(seq.seq_id, n, shared)  # first: if it raises, the sequence is still waiting
+        self.blocks.allocate(seq.seq_id, n, shared)  # the whole context's blocks, a first chunk's too; if it raises, it still waits
         self.waiting.popleft()
         seq.block_table = self.blocks.block_tables[seq.seq_id]  # the live table: it grows as the sequence does
-        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, n - new
-        if not seq.num_preemptions: seq.num_cached_tokens = n - new
+        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, done
+        if not seq.num_preemptions: seq.num_cached_tokens = done
         self.running.append(seq)  # at once: should a later allocation raise, what came before is consistent
-        admitted.append(seq)
-        tokens += new
-    return admitted
+        seqs.append(seq); counts.append(new); budget -= new
+        if done + new < n: self.prefilling, partial[seq] = (seq, done + new), done + new
+    return SchedulerOutput(seqs, counts, True, partial=partial) if seqs else None
 
 def _cached_prefix(self: Scheduler, seq: Sequence) -> list:
     "Full blocks that hold the first tokens of `seq` already, to share rather than compute again: none here (chapter 10b)."
     return []
 
-Scheduler._admit, Scheduler._cached_prefix = _admit, _cached_prefix
+Scheduler._schedule_prefill, Scheduler._cached_prefix = _schedule_prefill, _cached_prefix
+
 
 # %% ../chapters/10_scheduler.ipynb #28942eb8
 def _preempt(self: Scheduler, seq: Sequence):
     "Send a running sequence back to the front of the waiting queue, freeing its blocks (it will be recomputed)."
-    self.running.remove(seq)
-    self.blocks.free(seq.seq_id)
+    self._stop_running(seq)
     seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
     seq.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(seq)
 
-Scheduler._preempt = _preempt
+def _stop_running(self: Scheduler, seq: Sequence):
+    "Take a running sequence out of the batch and give its blocks back (preempted, finished or aborted)."
+    self.running.remove(seq)
+    self.blocks.free(seq.seq_id)
+    if self.prefilling and self.prefilling[0] is seq: self.prefilling = None  # a prompt stopped half-way
+
+Scheduler._preempt, Scheduler._stop_running = _preempt, _stop_running
 
 # %% ../chapters/10_scheduler.ipynb #b4eca64a
 def _schedule_decode(self: Scheduler) -> SchedulerOutput:
@@ -210,14 +238,12 @@ Scheduler._schedule_decode, Scheduler._pick_victim = _schedule_decode, _pick_vic
 
 # %% ../chapters/10_scheduler.ipynb #0a4f0ad0
 def _schedule(self: Scheduler) -> SchedulerOutput:
-    "This step's batch: newly admitted sequences (prefill) if any fit, else one token for every running one (decode)."
-    admitted = self._admit()
-    if admitted: out = SchedulerOutput(admitted, [s.num_tokens - s.num_computed_tokens for s in admitted], True)
-    else: out = self._schedule_decode()
+    "This step's batch: a prompt's next chunk and newly admitted sequences (prefill) if any fit, else one token for every running one (decode)."
+    out = self._schedule_prefill() or self._schedule_decode()
     if self.trace is not None:
         self.trace.append(StepTrace(self.num_steps, out.is_prefill, [s.seq_id for s in out.seqs],
                                     [s.seq_id for s in out.preempted], num_free_blocks=self.blocks.num_free_blocks))
-    for seq in out.seqs: seq.num_in_flight += 1  # until update() brings its token
+    for seq in out.sampled_seqs: seq.num_in_flight += 1  # until update() brings its token
     self.num_steps += 1
     return out
 
@@ -225,11 +251,14 @@ Scheduler.schedule = _schedule
 
 # %% ../chapters/10_scheduler.ipynb #2f1c9890
 def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):
-    "Record the token each sequence of `out` sampled; the cache now holds all of a sequence's tokens but the new one."
-    if len(token_ids) != len(out.seqs): raise ValueError(f"{len(token_ids)} tokens for {len(out.seqs)} sequences")
+    "Record the token each of `out.sampled_seqs` sampled; the cache now holds all of a sequence's tokens but the new one."
+    sampled = out.sampled_seqs
+    if len(token_ids) != len(sampled): raise ValueError(f"{len(token_ids)} tokens for {len(sampled)} sequences")
     if out.recorded: raise ValueError("this step's tokens have been recorded already")
     out.recorded = True
-    for seq, token in zip(out.seqs, token_ids):
+    for seq, end in out.partial.items():  # a chunk short of its prompt's end: the cache holds more of it, no token yet
+        if seq.status is SequenceStatus.RUNNING: seq.num_computed_tokens = end
+    for seq, token in zip(sampled, token_ids):
         seq.num_in_flight -= 1
         if seq.is_finished: continue  # aborted, or stopped by the token before, while this one was computed
         if seq.status is SequenceStatus.RUNNING: seq.num_computed_tokens = seq.num_tokens  # not if preempted meanwhile
@@ -238,8 +267,7 @@ def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):
 def _release(self: Scheduler, seq: Sequence, reason: str):
     "Take `seq` out of every queue, free its blocks and mark it finished with `reason`."
     if seq.status is SequenceStatus.RUNNING:
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self._stop_running(seq)
     elif seq.status is SequenceStatus.WAITING:
         self.waiting.remove(seq)
     seq.status, seq.finish_reason, seq.block_table = SequenceStatus.FINISHED, reason, []
