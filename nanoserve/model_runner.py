@@ -36,7 +36,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len); 8192 with chunked prefill
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len); with chunked prefill max(8192, max_num_seqs)
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     enforce_eager: bool = False
     fuse_ops: bool = True                 # fused Triton kernels for the small ops, on CUDA
@@ -72,8 +72,8 @@ def scheduler_config(config: EngineConfig, model_max_len: int) -> SchedulerConfi
     max_model_len = config.max_model_len or model_max_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len} tokens")
-    chunked = config.enable_chunked_prefill  # then a step need not hold a whole prompt
-    budget = config.max_num_batched_tokens or (8192 if chunked else max(8192, max_model_len))
+    chunked = config.enable_chunked_prefill  # then a step need not hold a whole prompt, only a token per sequence
+    budget = config.max_num_batched_tokens or max(8192, config.max_num_seqs if chunked else max_model_len)
     return SchedulerConfig(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
                            enable_chunked_prefill=chunked)
 
@@ -260,11 +260,10 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     "Queue one scheduled step, sampling one token per sequence on the device; returns without waiting for it."
     in_flight = None if running is None else (running.rows, running.sampled.token_ids)
     inputs = prepare_inputs(out, blocks, self.device, pad_to=self.graph_size(out), tokens_in_flight=in_flight)
-    logits = self.forward(inputs)[:len(out.seqs)]
-    if out.partial:  # a chunk that ends before its prompt does samples nothing (nor draws from the request's generator)
-        keep = [i for i, s in enumerate(out.seqs) if s not in out.partial]
-        logits, generators = logits[keep], None if generators is None else [generators[i] for i in keep]
-    sampled = sample(logits, [s.params for s in out.sampled_seqs], generators)
+    n = len(out.sampled_seqs)  # a chunk that ends before its prompt does is the last row (chapter 10) and samples nothing
+    if out.partial and out.seqs[-1] not in out.partial: raise ValueError("a partial chunk must be the last row of its step")
+    logits = self.forward(inputs)[:n]  # a slice: indexing with a list of rows would copy it to the GPU and wait for the GPU
+    sampled = sample(logits, [s.params for s in out.sampled_seqs], None if generators is None else generators[:n])
     return LaunchedStep(out, sampled, *_copy_to_host(sampled))
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:

@@ -152,10 +152,10 @@ def _add(self: Scheduler, seq: Sequence):
 Scheduler._check_fits, Scheduler.add = _check_fits, _add
 
 # %% ../chapters/10_scheduler.ipynb #6dbd05bf
-def _schedule_prefill(self: Scheduler) -> SchedulerOutput | None:
-    "A prefill step: the next chunk of a prompt begun before, then waiting sequences in order while the budgets allow; None if none fits."
+def _schedule_prefill(self: Scheduler, budget: int | None = None) -> SchedulerOutput | None:
+    "Prefill: the next chunk of a prompt begun before, then waiting sequences in order while the budgets allow; None if none fits."
     seqs, counts, partial, cfg = [], [], {}, self.config
-    budget = cfg.max_num_batched_tokens
+    budget = cfg.max_num_batched_tokens if budget is None else budget  # what decode tokens left of it (chunked prefill)
     if self.prefilling:  # chunked prefill: the prompt that earlier steps began goes on first
         seq, done = self.prefilling
         n = min(seq.num_tokens - done, budget)
@@ -187,7 +187,6 @@ def _cached_prefix(self: Scheduler, seq: Sequence) -> list:
 
 Scheduler._schedule_prefill, Scheduler._cached_prefix = _schedule_prefill, _cached_prefix
 
-
 # %% ../chapters/10_scheduler.ipynb #28942eb8
 def _preempt(self: Scheduler, seq: Sequence):
     "Send a running sequence back to the front of the waiting queue, freeing its blocks (it will be recomputed)."
@@ -209,7 +208,8 @@ Scheduler._preempt, Scheduler._stop_running = _preempt, _stop_running
 def _schedule_decode(self: Scheduler) -> SchedulerOutput:
     "One slot for the next token of every running sequence, preempting the youngest when blocks run out."
     scheduled, preempted = [], []
-    queue = deque(s for s in self.running if not s.reaches_max_tokens)  # the rest finish when their tokens come back
+    half_done = self.prefilling and self.prefilling[0]  # chunked prefill: a prompt not yet computed has no token to decode
+    queue = deque(s for s in self.running if not s.reaches_max_tokens and s is not half_done)  # the rest finish when their tokens come back
     if self.blocks.blocks_to_grow(s.seq_id for s in queue) <= self.blocks.num_free_blocks:  # room for all: the fast path
         for seq in queue: self.blocks.append_slot(seq.seq_id)
         return SchedulerOutput(list(queue), [1] * len(queue), False, [])
@@ -238,8 +238,9 @@ Scheduler._schedule_decode, Scheduler._pick_victim = _schedule_decode, _pick_vic
 
 # %% ../chapters/10_scheduler.ipynb #0a4f0ad0
 def _schedule(self: Scheduler) -> SchedulerOutput:
-    "This step's batch: a prompt's next chunk and newly admitted sequences (prefill) if any fit, else one token for every running one (decode)."
-    out = self._schedule_prefill() or self._schedule_decode()
+    "This step's batch: newly admitted sequences (prefill) if any fit, else one token for every running one (decode); with chunked prefill, both."
+    if self.config.enable_chunked_prefill: out = self._schedule_mixed()
+    else: out = self._schedule_prefill() or self._schedule_decode()
     if self.trace is not None:
         self.trace.append(StepTrace(self.num_steps, out.is_prefill, [s.seq_id for s in out.seqs],
                                     [s.seq_id for s in out.preempted], num_free_blocks=self.blocks.num_free_blocks))
@@ -247,7 +248,15 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
     self.num_steps += 1
     return out
 
-Scheduler.schedule = _schedule
+def _schedule_mixed(self: Scheduler) -> SchedulerOutput:
+    "Chunked prefill's step: one token for every running sequence first, then prompt chunks in what is left of the budget."
+    decode = self._schedule_decode()
+    if decode.preempted: return decode  # blocks ran short: admit nothing now (the victims would come straight back)
+    prefill = self._schedule_prefill(self.config.max_num_batched_tokens - len(decode.seqs))
+    if prefill is None: return decode
+    return SchedulerOutput(decode.seqs + prefill.seqs, decode.num_new_tokens + prefill.num_new_tokens, True, partial=prefill.partial)
+
+Scheduler.schedule, Scheduler._schedule_mixed = _schedule, _schedule_mixed
 
 # %% ../chapters/10_scheduler.ipynb #2f1c9890
 def _update(self: Scheduler, out: SchedulerOutput, token_ids: list):

@@ -45,23 +45,38 @@ def test_config():
     # the engine's default budget: whole prompts need max(8192, max_model_len); chunks need no more than 8192
     assert scheduler_config(EngineConfig(), 32768).max_num_batched_tokens == 32768
     assert scheduler_config(EngineConfig(enable_chunked_prefill=True), 32768).max_num_batched_tokens == 8192
+    assert scheduler_config(EngineConfig(enable_chunked_prefill=True, max_num_seqs=10_000), 32768).max_num_batched_tokens == 10_000
     assert scheduler_config(EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=512), 32768).enable_chunked_prefill
 
 
 # --- the scheduler -------------------------------------------------------------------------------------------------
 
-def test_a_long_prompt_goes_on_first_and_the_rest_of_the_budget_admits_others():
+def test_running_sequences_decode_while_a_long_prompt_goes_in_chunks():
     s = Scheduler(chunked(64), BlockManager(32, 16))
-    for i, n in enumerate([150, 30, 30]): s.add(seq(i, n))
+    for i, n in enumerate([20, 150, 30]): s.add(seq(i, n, max_tokens=4))
     steps = []
     while s.has_unfinished():
         out = s.schedule()
         steps.append((out.is_prefill, rows(out)))
         assert out.num_batched_tokens <= 64
         record(s, out)
-    assert steps[:4] == [(True, [(0, 64, 64)]), (True, [(0, 64, 128)]), (True, [(0, 22, None), (1, 30, None), (2, 12, 12)]),
-                         (True, [(2, 18, None)])]
+    assert steps[:4] == [(True, [(0, 20, None), (1, 44, 44)]),               # seq 1 gets what is left of the budget
+                         (True, [(0, 1, None), (1, 63, 107)]),               # seq 0 decodes alongside seq 1's chunks
+                         (True, [(0, 1, None), (1, 43, None), (2, 20, 20)]),  # the rest of seq 1, the start of seq 2
+                         (True, [(0, 1, None), (1, 1, None), (2, 10, None)])]
     assert all(not is_prefill for is_prefill, _ in steps[4:]) and s.blocks.num_free_blocks == 32
+
+
+def test_a_step_that_preempts_admits_nothing():
+    s = Scheduler(chunked(32, max_model_len=64, max_num_seqs=4), BlockManager(4, 4), watermark=0)
+    s.add(seq(0, 4, max_tokens=12)); s.add(seq(1, 4, max_tokens=12))
+    record(s, s.schedule())  # both admitted: one block each
+    s.add(seq(2, 4))
+    for _ in range(20):
+        out = s.schedule()
+        if out.preempted: break
+        record(s, out)
+    assert out.preempted and not out.is_prefill and all(q not in out.seqs for q in out.preempted)
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
@@ -159,15 +174,21 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         going_on = self.s.prefilling
+        decoders = [q for q in self.s.running if not (going_on and q is going_on[0]) and not q.reaches_max_tokens]
         out, cfg = self.s.schedule(), self.s.config
         assert len(out.seqs) <= cfg.max_num_seqs and len(out.partial) <= 1
-        if out.is_prefill:
-            assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-            assert all(q is out.seqs[-1] and end < q.num_tokens for q, end in out.partial.items())
-            if going_on: assert out.seqs[0] is going_on[0]  # a half-done prompt goes on first
-            for q, n in zip(out.seqs, out.num_new_tokens):  # chunks follow each other without gap or overlap
-                start = going_on[1] if going_on and q is going_on[0] else q.num_computed_tokens
-                assert start + n == out.partial.get(q, q.num_tokens)
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens  # decode tokens count too
+        assert all(q is out.seqs[-1] and end < q.num_tokens for q, end in out.partial.items())  # a half-done prompt is last
+        k = sum(q in decoders for q in out.seqs)
+        assert out.seqs[:k] == [q for q in decoders if q in out.seqs] and out.num_new_tokens[:k] == [1] * k  # the oldest first
+        if not out.preempted and k < len(decoders): assert self.s.blocks.num_free_blocks == 0  # one waits only for a block
+        assert not (going_on and out.seqs[:k].count(going_on[0]))  # a half-done prompt never decodes
+        if out.preempted: assert len(out.seqs) == k  # nothing admitted in a step that preempts
+        prefill = out.seqs[k:]
+        if going_on and prefill: assert prefill[0] is going_on[0]  # it goes on before anyone is admitted
+        for q, n in zip(prefill, out.num_new_tokens[k:]):  # chunks follow each other without gap or overlap
+            start = going_on[1] if going_on and q is going_on[0] else q.num_computed_tokens
+            assert start + n == out.partial.get(q, q.num_tokens)
         self.in_flight.append(out)
 
     @precondition(lambda self: self.in_flight)
@@ -294,3 +315,23 @@ def test_gpu_bf16_logprobs_of_chunked_prompts_match_whole_ones():
                  enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)
     for a, b in zip(whole.generate(prompts, params, use_tqdm=False), chunks.generate(prompts, params, use_tqdm=False)):
         assert a.token_ids == b.token_ids and abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_a_step_with_a_chunk_does_not_wait_for_the_gpu():
+    "Launching a step that holds a half-done prompt and sampled rows must not synchronize (it would undo async scheduling)."
+    llm = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=256, num_kv_blocks=64, enable_chunked_prefill=True,
+              max_num_batched_tokens=48, max_num_seqs=8, enforce_eager=True)
+    engine, prompts = llm.llm_engine, long_prompts()
+    for p in prompts[:3]: engine.add_request(None, p, SamplingParams(max_tokens=8, ignore_eos=True))
+    launches, launch = [], engine.runner.launch
+    def checked(out, *args):
+        torch.cuda.set_sync_debug_mode("error")  # any host-device synchronization raises
+        try: return launch(out, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launches.append(bool(out.partial) and len(out.sampled_seqs) > 0)
+    engine.runner.launch = checked
+    while engine.has_unfinished(): engine.step()
+    assert any(launches)  # some step held both a chunk and rows that sample
