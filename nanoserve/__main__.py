@@ -95,8 +95,8 @@ def add_engine_args(p):
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the computed blocks of common prompt prefixes between requests")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
-                   help="compute a prompt longer than what is left of a step's budget over several steps; "
-                        "then --max-num-batched-tokens (default 8192) may be below --max-model-len")
+                   help="every step brings the running sequences' tokens first and prompt chunks in the rest of its "
+                        "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len")
     p.add_argument("--seed", type=int, default=0)
 
 def engine_options(args) -> dict:

@@ -42,7 +42,7 @@ class EngineConfig:
     fuse_ops: bool = True                 # fused Triton kernels for the small ops, on CUDA
     async_scheduling: bool | None = None  # prepare step n+1 while the GPU runs step n (11b); None: on for CUDA
     enable_prefix_caching: bool = True    # share the computed blocks of common prompt prefixes (chapter 10b)
-    enable_chunked_prefill: bool = False  # compute a long prompt over several steps (chapter 10)
+    enable_chunked_prefill: bool = False  # decode tokens first in every step, prompts in chunks after them (chapter 10)
     seed: int = 0
 
     def __post_init__(self):
