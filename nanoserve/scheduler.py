@@ -61,7 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256              # sequences per step
     max_num_batched_tokens: int = 8192   # tokens per step (prefill: whole prompts, or chunks of them; decode: one per sequence)
     max_model_len: int = 2048            # prompt + generated tokens of one sequence
-    enable_chunked_prefill: bool = False # split a prompt that does not fit into what is left of a step's budget
+    enable_chunked_prefill: bool = False # decode tokens first in every step, then prompts, split where the budget ends
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -109,7 +109,7 @@ class StepTrace:
 
 # %% ../chapters/10_scheduler.ipynb #f64c5e29
 class Scheduler:
-    "Decides every step's batch: first come first served, prefill before decode, preemption of the youngest by recompute."
+    "Decides every step's batch: first come first served, prefill before decode (decode first, with chunked prefill), preemption of the youngest by recompute."
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
                  watermark: float = 0.01,  # fraction of the pool that admission leaves free
                  trace: bool = False):     # keep a StepTrace per step in `self.trace`
@@ -215,8 +215,8 @@ def _schedule_decode(self: Scheduler) -> SchedulerOutput:
         return SchedulerOutput(list(queue), [1] * len(queue), False, [])
     while queue:
         seq = queue.popleft()  # the oldest not yet served
-        while not self.blocks.can_append(seq.seq_id) and queue:
-            victim = self._pick_victim(queue)
+        while not self.blocks.can_append(seq.seq_id) and (queue or self.prefilling):
+            victim = self.prefilling[0] if self.prefilling else self._pick_victim(queue)  # a half-done prompt is the youngest
             self._preempt(victim)
             preempted.append(victim)
         if self.blocks.can_append(seq.seq_id):

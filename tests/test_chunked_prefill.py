@@ -67,16 +67,22 @@ def test_running_sequences_decode_while_a_long_prompt_goes_in_chunks():
     assert all(not is_prefill for is_prefill, _ in steps[4:]) and s.blocks.num_free_blocks == 32
 
 
-def test_a_step_that_preempts_admits_nothing():
-    s = Scheduler(chunked(32, max_model_len=64, max_num_seqs=4), BlockManager(4, 4), watermark=0)
-    s.add(seq(0, 4, max_tokens=12)); s.add(seq(1, 4, max_tokens=12))
-    record(s, s.schedule())  # both admitted: one block each
-    s.add(seq(2, 4))
-    for _ in range(20):
+def test_a_half_done_prompt_is_preempted_before_an_older_stream_waits():
+    "Blocks run short while a long prompt goes in chunks: the prompt (the youngest) goes, the older stream keeps its tokens."
+    s = Scheduler(chunked(8, max_model_len=64, max_num_seqs=2), BlockManager(9, 4), watermark=0)
+    a = seq("a", 2, max_tokens=12)
+    s.add(a)
+    record(s, s.schedule())
+    s.add(seq("h", 32, max_tokens=2))
+    steps = []
+    while not a.is_finished:
         out = s.schedule()
-        if out.preempted: break
+        steps.append(out)
         record(s, out)
-    assert out.preempted and not out.is_prefill and all(q not in out.seqs for q in out.preempted)
+    assert all(a in out.seqs for out in steps)  # a token for `a` in every step
+    assert [q.seq_id for out in steps for q in out.preempted] == ["h"]
+    while s.has_unfinished(): record(s, s.schedule())
+    assert s.blocks.num_free_blocks == 9
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
@@ -182,7 +188,7 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         k = sum(q in decoders for q in out.seqs)
         assert out.seqs[:k] == [q for q in decoders if q in out.seqs] and out.num_new_tokens[:k] == [1] * k  # the oldest first
         if not out.preempted and k < len(decoders): assert self.s.blocks.num_free_blocks == 0  # one waits only for a block
-        assert not (going_on and out.seqs[:k].count(going_on[0]))  # a half-done prompt never decodes
+        if going_on and out.preempted: assert going_on[0] in out.preempted  # the youngest goes first
         if out.preempted: assert len(out.seqs) == k  # nothing admitted in a step that preempts
         prefill = out.seqs[k:]
         if going_on and prefill: assert prefill[0] is going_on[0]  # it goes on before anyone is admitted
