@@ -193,7 +193,7 @@ def _step(self: LLMEngine) -> list:
         reqs = [self.requests[s.seq_id] for s in out.seqs]
         for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
         running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
-        sampled_reqs = [r for r in reqs if r.seq not in out.partial] if out.partial else reqs  # those that take a token
+        sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
         launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
     t2 = time.perf_counter()
     self.step_seconds["schedule"] += t1 - t0

@@ -94,8 +94,8 @@ class SchedulerOutput:
 
     @property
     def sampled_seqs(self) -> list:
-        "The sequences that take a token from this step: all but those whose prompt the step computes only part of."
-        return [s for s in self.seqs if s not in self.partial] if self.partial else self.seqs
+        "The sequences that take a token from this step: all but a half-done prompt's, which is the last row."
+        return self.seqs[:len(self.seqs) - len(self.partial)] if self.partial else self.seqs
 
 @dataclass
 class StepTrace:
