@@ -97,6 +97,8 @@ def add_engine_args(p):
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="every step brings the running sequences' tokens first and prompt chunks in the rest of its "
                         "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="'int8': the linear layers' weights as int8 rows with a scale each, half the bytes per decode step")
     p.add_argument("--seed", type=int, default=0)
 
 def engine_options(args) -> dict:

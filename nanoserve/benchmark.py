@@ -38,12 +38,17 @@ def random_requests(num_requests: int = 256, input_len: tuple = (100, 1024), out
             for _ in range(num_requests)]
 
 # %% ../chapters/11c_benchmark.ipynb #0bb896cb
-def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    "Bytes of weights one decode step reads: every parameter, except an untied input embedding (only rows are gathered)."
+def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an untied input embedding (only rows are gathered).
+    With quantization="int8" (chapter 9c) the matmuls' weights, LM head included, are one byte each plus a float32 scale per row."""
     E, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_layer = E * (H + 2 * K) * D + H * D * E + 3 * E * F + 2 * E + (2 * D if cfg.qk_norm else 0)
-    return (L * per_layer + E + V * E) * dtype.itemsize  # layers, final norm, LM head (= the embedding when tied)
+    norms = L * (2 * E + (2 * D if cfg.qk_norm else 0)) + E  # two per layer (and q/k norms), the final norm
+    matmuls = matmul_params(cfg) + V * E  # the layers and the LM head (= the embedding when tied)
+    if quantization is None: return (matmuls + norms) * dtype.itemsize
+    if quantization != "int8": raise ValueError(f"quantization={quantization!r}: expected None or 'int8'")
+    rows = L * ((H + 2 * K) * D + 2 * F + 2 * E) + V  # output rows of q/k/v, gate/up, o and down, and the LM head
+    return matmuls + 4 * rows + norms * dtype.itemsize
 
 def matmul_params(cfg: ModelConfig) -> int:
     "Parameters of one token's matmuls through the layers (not the LM head)."
@@ -54,14 +59,15 @@ def matmul_params(cfg: ModelConfig) -> int:
 # %% ../chapters/11c_benchmark.ipynb #5bd16b1f
 def workload_floor(cfg: ModelConfig, dtype: torch.dtype, requests: list, max_num_seqs: int,
                    copy_bytes_per_s: float, matmul_flops_per_s: float,
-                   shared_prefix_len: int = 0) -> dict:  # the prompts' first tokens are the same: computed once (chapter 10b)
+                   shared_prefix_len: int = 0,  # the prompts' first tokens are the same: computed once (chapter 10b)
+                   quantization: str | None = None) -> dict:  # "int8": the weights a decode step reads (chapter 9c)
     "The least time any engine needs for `requests`: decode bytes over copy bandwidth + prefill FLOPs over matmul rate."
     p = [len(ids) for ids, _ in requests]
     o = [n for _, n in requests]
     steps = max(max(o) - 1, -(-sum(n - 1 for n in o) // max_num_seqs))
     kv_reads = sum((n - 1) * pi + (n - 1) * n // 2 for pi, n in zip(p, o))  # sum over t=1..n-1 of (pi + t)
     c = kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
-    decode_bytes = steps * weight_bytes_per_step(cfg, dtype) + c * kv_reads
+    decode_bytes = steps * weight_bytes_per_step(cfg, dtype, quantization) + c * kv_reads
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     again, L = len(p) - 1, shared_prefix_len  # every prompt but the first could take its first L positions from a cache
     prefill_flops = (2 * matmul_params(cfg) * (sum(p) - again * L) + 2 * cfg.hidden_size * cfg.vocab_size * len(p)
@@ -193,7 +199,7 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
     if runner.device.type == "cuda":
         res["copy_bytes_per_s"], res["matmul_flops_per_s"] = copy_bandwidth(runner.device), matmul_rate(runner.device, runner.dtype)
         res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"],
-                                      res["matmul_flops_per_s"], prefix_len)
+                                      res["matmul_flops_per_s"], prefix_len, runner.config.quantization)
         torch.cuda.empty_cache()  # hand the measurements' 2 GiB back: an allocator short of memory frees blocks, which waits for the GPU
     res["nanoserve"] = time_engine(llm, requests)
     if "floor" in res: res["fraction_of_floor"] = res["floor"]["seconds"] / res["nanoserve"]["seconds"]
@@ -235,5 +241,5 @@ def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, b
     if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)
         res["copy_bytes_per_s"] = bw
-        res["weight_streaming_floor_ms"] = 1e3 * weight_bytes_per_step(cfg, runner.dtype) / bw
+        res["weight_streaming_floor_ms"] = 1e3 * weight_bytes_per_step(cfg, runner.dtype, runner.config.quantization) / bw
     return res

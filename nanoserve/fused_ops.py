@@ -216,8 +216,9 @@ def gemv(x: torch.Tensor,  # (K,)
                                                       num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, PDL=pdl, launch_pdl=pdl)
     return out
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (T, K), (N, K) -> (T, N)
+def linear(x: torch.Tensor, weight) -> torch.Tensor:  # (T, K), (N, K) -> (T, N)
     "x @ weight.T: the GEMV above for a single row on a GPU (or under the interpreter), F.linear otherwise."
+    if not isinstance(weight, torch.Tensor): return weight(x)  # a layer that multiplies by itself (chapter 9c's int8 weights)
     one_row = x.dim() == 2 and len(x) == 1 and x.dtype == weight.dtype and weight.stride(-1) == 1
     if not one_row or not (x.is_cuda or interpreting()): return torch.nn.functional.linear(x, weight)
     return gemv(x[0], weight)[None]
@@ -258,10 +259,10 @@ def fuse_small_ops(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, RMSNorm): m.forward = types.MethodType(_fused_norm_forward, m)
         elif isinstance(m, Transformer): m.forward = types.MethodType(_fused_stack_forward, m)
         elif isinstance(m, torch.nn.Linear) and m.bias is None: m.forward = types.MethodType(_fused_linear_forward, m)
-        elif isinstance(m, MLP) and m.gate_proj.bias is None:
+        elif isinstance(m, MLP) and type(m.gate_proj) is torch.nn.Linear and m.gate_proj.bias is None:
             m.gate_up_weight = merge_linears(m.gate_proj, m.up_proj)
             m.forward = types.MethodType(_fused_mlp_forward, m)
-        elif isinstance(m, Attention) and m.q_proj.bias is None:
+        elif isinstance(m, Attention) and type(m.q_proj) is torch.nn.Linear and m.q_proj.bias is None:
             m.qkv_weight = merge_linears(m.q_proj, m.k_proj, m.v_proj)
             m.qkv = types.MethodType(_fused_qkv, m)
     return model

@@ -118,7 +118,7 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     if max_len > model.config.max_position_embeddings:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {max_len} exceeds "
                          f"the model's context of {model.config.max_position_embeddings} tokens")
-    weight = model.lm_head.weight
+    weight = model.model.embed_tokens.weight  # dtype and device (an int8 LM head, chapter 9c, has no weight)
     cache = KVCache(model.config, max_len, weight.dtype, weight.device)
     generator, detok = make_generator(params.seed, weight.device), IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
     guard, out, text = StopStringGuard(params, on_text), [], ""

@@ -75,6 +75,7 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     (["serve", "--port", "0", "--api-key", ""], "api_key='': expected a non-empty string"),  # once: no authentication
     (["serve", "--port", "0", "--max-waiting", "0"], "max_waiting=0: expected None (no limit) or an integer >= 1"),
     (["serve", "--port", "70000"], "port=70000: expected 0 to 65535"),  # once an OverflowError from bind
+    (["serve", "--port", "0", "--quantization", "int4"], "invalid choice: 'int4'"),
 ])
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
     "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."
@@ -83,6 +84,15 @@ def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and "KV cache" not in err, err
     assert err.splitlines()[-1].startswith("nanoserve " + " ".join(args[:2] if args[0] == "bench" else args[:1]) + ": error:")
+
+
+def test_every_engine_option_has_a_flag():
+    "Each EngineConfig field but the model reaches the engine from the command line (chapter 9c's quantization too)."
+    from nanoserve.__main__ import build_parser, engine_options
+    from nanoserve.model_runner import EngineConfig
+    args = build_parser().parse_args(["serve", "--quantization", "int8"])
+    options = engine_options(args)
+    assert options["quantization"] == "int8" and EngineConfig(**options).quantization == "int8"
 
 
 @pytest.mark.slow
