@@ -13,6 +13,7 @@ over replays of that graph, divided by the calls in it.
 
     python benchmarks/int8_linear.py --out benchmarks/results/int8_linear_h100.json     # ~2 min on an H100
     python benchmarks/int8_linear.py --sweep > sweep.json    # time INT8_GEMV and INT8_TILES candidates instead
+    python benchmarks/int8_linear.py --sweep-splits > splits.json    # time INT8_SPLIT_PROGRAMS candidates instead
 
 Progress goes to stderr; stdout gets only the JSON.
 """
@@ -28,8 +29,10 @@ try:
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 import nanoserve.quantization as quantization
+from nanoserve.benchmark import copy_bandwidth
 from nanoserve.fused_ops import linear
-from nanoserve.quantization import INT8_DEQUANT_ROWS, INT8_TILES, INT8_WIDE, dequantize_int8, int8_linear, int8_tile, quantize_int8
+from nanoserve.quantization import (INT8_DEQUANT_ROWS, INT8_TILES, INT8_WIDE, dequantize_int8, int8_linear, int8_splits, int8_tile,
+                                    quantize_int8)
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192), "lm_head": (128256, 2048)}
 LAYER = ("qkv", "o", "gate_up", "down")  # the matmuls of one decoder layer
@@ -39,6 +42,7 @@ COPY_BYTES, MAX_COPIES = 2**30, 256  # weight bytes per timed graph, and its mos
 SWEEP_GEMV = [(bn, bk, w, st) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096) for w in (4,) for st in (1, 2, 3)
               if bn * bk <= 16384]
 SWEEP_ROWS = (8, 32, 64, 128, 256)
+SWEEP_SPLIT_PROGRAMS = (0, 1, 2, 4, 8)  # candidates for INT8_SPLIT_PROGRAMS (0: never split)
 SWEEP_TILES = [(16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 16, 256, 4, 4), (32, 32, 256, 4, 4),
                (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4),
                (128, 64, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (16, 32, 256, 4, 6), (16, 64, 128, 4, 5)]
@@ -71,12 +75,6 @@ def per_call_us(calls) -> float:
     return us(run) / len(calls)
 
 
-def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / us(lambda: dst.copy_(src)) / 1e3
-
-
 class Weight:
     "Copies of one random (N, K) weight, as bf16 and as int8 with scales, enough that the calls of a graph miss L2."
     def __init__(self, N, K):
@@ -104,6 +102,9 @@ def row(name, weight: Weight, M, copy_gbs) -> dict:
     out["bf16_us"], out["int8_us"], out["dequantize_us"] = weight.bf16_us(x), weight.int8_us(x), weight.dequantize_us()
     out["path"] = "GEMV" if M == 1 else "tiled kernel" if M < INT8_DEQUANT_ROWS else "dequantize + cuBLAS"
     out["tile"] = list(quantization.INT8_GEMV if M == 1 else int8_tile(M, N))
+    if 1 < M < INT8_DEQUANT_ROWS:
+        grid = triton.cdiv(M, out["tile"][0]) * triton.cdiv(N, out["tile"][1])
+        out["splits"] = int8_splits(grid, K, out["tile"][2], torch.cuda.get_device_properties(0).multi_processor_count)
     io = 2 * M * (K + N)
     out["bf16_frac_copy"] = (2 * N * K + io) / out["bf16_us"] / 1e3 / copy_gbs
     out["int8_frac_copy"] = (N * K + 4 * N + io) / out["int8_us"] / 1e3 / copy_gbs
@@ -131,18 +132,35 @@ def sweep(weights: dict) -> list:
     return found
 
 
+def sweep_splits(weights: dict) -> list:
+    "Times of the library's tiles with K split for each INT8_SPLIT_PROGRAMS candidate."
+    found = []
+    for name, weight in weights.items():
+        for M in (8, 32, 64, 128):
+            x = torch.randn(M, weight.K, device="cuda").bfloat16()
+            for programs in SWEEP_SPLIT_PROGRAMS:
+                quantization.INT8_SPLIT_PROGRAMS = programs
+                found.append({"weight": name, "M": M, "split_programs": programs, "us": weight.int8_us(x), "max_rel_error": weight.error(x)})
+            best = min((r for r in found if r["weight"] == name and r["M"] == M), key=lambda r: r["us"])
+            log(f"{name:8} M={M} best INT8_SPLIT_PROGRAMS {best['split_programs']} {best['us']:.2f} us "
+                f"(no split: {next(r['us'] for r in found if r['weight'] == name and r['M'] == M and r['split_programs'] == 0):.2f})")
+    return found
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time tile candidates instead of the library's choices")
+    ap.add_argument("--sweep-splits", action="store_true", help="time INT8_SPLIT_PROGRAMS candidates instead")
     args = ap.parse_args()
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = copy_bandwidth() / 1e9  # chapter 11c's measure, as the latency and throughput records use
     log(f"copy {copy_gbs:.0f} GB/s")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {"benchmark": "int8_linear" + " --sweep" * args.sweep, "device": torch.cuda.get_device_name(),
+    result = {"benchmark": "int8_linear" + " --sweep" * args.sweep + " --sweep-splits" * args.sweep_splits, "device": torch.cuda.get_device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
               "settings": {"INT8_GEMV": list(quantization.INT8_GEMV), "INT8_WIDE": INT8_WIDE, "INT8_DEQUANT_ROWS": INT8_DEQUANT_ROWS,
+                           "INT8_SPLIT_PROGRAMS": quantization.INT8_SPLIT_PROGRAMS, "INT8_MIN_SPLIT_TILES": quantization.INT8_MIN_SPLIT_TILES,
                            "INT8_TILES": [[b if b != float("inf") else "inf", *map(list, t)] for b, *t in INT8_TILES],
                            "timer": "per call in a CUDA graph of back-to-back calls on distinct weight copies (>= 1 GiB); "
                                     "triton.testing.do_bench median of its replays"},
@@ -150,8 +168,8 @@ def main():
     rows = []
     for name, (N, K) in SHAPES.items():
         weight = Weight(N, K)
-        if args.sweep:
-            rows += sweep({name: weight})
+        if args.sweep or args.sweep_splits:
+            rows += (sweep if args.sweep else sweep_splits)({name: weight})
             continue
         for M in ROWS:
             if name == "lm_head" and M > LM_HEAD_ROWS: continue
@@ -162,7 +180,7 @@ def main():
         del weight
         torch.cuda.empty_cache()
     result["rows"] = rows
-    if not args.sweep:
+    if not (args.sweep or args.sweep_splits):
         layer = {}
         for M in ROWS:
             mine = [r for r in rows if r["M"] == M and r["weight"] in LAYER]

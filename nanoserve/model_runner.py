@@ -9,7 +9,7 @@ __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'QUANTIZATIONS', 'PREFILL_GRAPH_TOKEN
            'prefill_graph_length']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
-import dataclasses, itertools, logging, os
+import dataclasses, gc, itertools, logging, os
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,7 +162,10 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
     if config.quantization == "int8":
         from nanoserve.quantization import quantize_model
         quantize_model(model)  # after fusing: the stacked q/k/v and gate/up weights are quantized as one matrix each
-        if device.type == "cuda": torch.cuda.empty_cache()  # the bf16 weights' memory, for the KV cache that is sized next
+        gc.collect()  # the replaced layers: fused ones hold their own bound forward, a cycle only the collector frees
+        if device.type == "cuda": torch.cuda.empty_cache()  # their bf16 weights' memory, for the KV cache sized next
+        else: logger.warning("int8 weights on %s: each matmul dequantizes its weight first (the int8 kernels need a GPU), "
+                             "so it is slower than float weights and saves no memory while it runs", device)
     return model.eval()
 
 # %% ../chapters/11a_model_runner.ipynb #b2fc0314

@@ -8,8 +8,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.fused_ops import fuse_small_ops, unfuse_small_ops
 from nanoserve.loader import load_model
 from nanoserve.model_runner import EngineConfig
-from nanoserve.quantization import (INT8_DEQUANT_ROWS, _dequantize_triton, INT8_TILES, Int8Linear, dequantize_int8, int8_linear, int8_tile,
-                                    quantize_int8, quantize_model)
+from nanoserve.quantization import (INT8_DEQUANT_ROWS, INT8_TILES, Int8Linear, _dequantize_triton, dequantize_int8, int8_linear,
+                                    int8_splits, int8_tile, quantize_int8, quantize_model)
 from nanoserve.testing import hf_model, tiny_model_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,8 +39,9 @@ def test_quantize_bounds_the_error_by_half_a_step_per_row():
 
 
 def test_quantize_refuses_what_it_cannot_code():
-    with pytest.raises(ValueError, match=r"\(N, K\) floating-point"): quantize_int8(torch.ones(4))
-    with pytest.raises(ValueError, match=r"\(N, K\) floating-point"): quantize_int8(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"non-empty \(N, K\) floating-point"): quantize_int8(torch.ones(4))
+    with pytest.raises(ValueError, match=r"non-empty \(N, K\) floating-point"): quantize_int8(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"non-empty \(N, K\) floating-point weight; got \(3, 0\)"): quantize_int8(torch.ones(3, 0))
     with pytest.raises(ValueError, match="inf or NaN"): quantize_int8(torch.tensor([[1.0, float("nan")]]))
 
 
@@ -62,6 +63,8 @@ def test_int8_inputs_are_checked():
     with pytest.raises(ValueError, match=r"x must be floating point \(\.\.\., 32\)"): int8_linear(x[:, :16], q, s)
     with pytest.raises(ValueError, match="x must be floating point"): int8_linear(x.long(), q, s)
     with pytest.raises(ValueError, match="scale must be float32"): Int8Linear(q, s.double())
+    if DEVICE == "cpu" and not __import__("nanoserve.kernels", fromlist=["x"]).interpreting():
+        with pytest.raises(ValueError, match="tile and splits choose a Triton kernel"): int8_linear(x, q, s, tile=(16, 32, 64, 4, 2))
 
 
 # --- the matmul --------------------------------------------------------------------------------------------------
@@ -98,6 +101,25 @@ def test_one_row_gemv_equals_the_tiled_kernel_and_the_dequantized_path(dtype):
         assert (out.float() - plain).abs().max() <= tolerance(dtype) * plain.abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, K", [(3, 40, 1000), (20, 70, 700), (1, 33, 520)])
+def test_split_k_equals_one_part(dtype, M, N, K):
+    "K in parts (float32 partial sums, then one reduction that scales and rounds) against the whole of K in one program."
+    q, s = quantized(N, K)
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    tile = (16, 32, 64, 4, 2)
+    whole = int8_linear(x, q, s, tile=tile, splits=1).float()
+    for splits in (2, 3, 5, 100):  # 100: more parts than tiles, cut to one tile each
+        out = int8_linear(x, q, s, tile=tile, splits=splits).float()
+        assert (out - whole).abs().max() <= tolerance(dtype) * whole.abs().max(), splits
+
+
+def test_int8_splits_fill_the_gpu_in_parts_of_whole_tiles():
+    assert int8_splits(64, 8192, 256) == 3 and int8_splits(64, 2048, 256) == 2  # the down and o projections at 8 rows
+    assert int8_splits(512, 2048, 256) == 1 and int8_splits(10, 512, 256) == 1  # a full grid; K of fewer than 4 tiles per part
+    with pytest.raises(ValueError, match="splits=0: expected a positive int"): int8_linear(torch.ones(2, 8, device=DEVICE), *quantized(4, 8), splits=0)
+
+
 def test_int8_tile_pads_rows_to_what_tl_dot_takes_and_widens_for_wide_matrices():
     assert int8_tile(1, 100)[0] == 16 and int8_tile(20, 100)[0] == 16 and int8_tile(200, 100)[0] == 64
     assert int8_tile(100, 16384)[:2] == (128, 64) and int8_tile(5000, 100)[:2] == (64, 32)
@@ -128,6 +150,31 @@ def test_gpu_bf16_on_llama_shapes_and_in_a_cuda_graph(M):
     torch.testing.assert_close(static, eager, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU")
+def test_gpu_int8_kernels_launched_early_equal_plain_ones_eagerly_and_in_a_graph(check_early_launches):
+    "The GEMV, the tiled kernel and its split-K reduction load only the weight before the kernel before them has finished."
+    import nanoserve.quantization as quantization
+    from nanoserve.fused_ops import rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gain = 1 + torch.randn(2048, device="cuda", generator=g).bfloat16() / 10
+    up, down = quantized(4096, 2048), quantized(2048, 4096)
+    inputs = {rows: torch.randn(rows, 2048, device="cuda", generator=g).bfloat16() for rows in (1, 8)}
+
+    def chain(kept=None, rows=1):
+        x, outs = inputs[rows], []
+        for _ in range(12):
+            normed = rms_norm(x, gain, 1e-5)
+            h = int8_linear(normed, *up)
+            x = int8_linear(h, *down)  # 4096 inputs and 2048 outputs: split over K from 2 rows
+            outs.append(x)
+            if kept is not None: kept += [normed, h, x]
+        return torch.cat(outs)
+
+    for rows in (1, 8):  # the GEMV; the tiled kernel, split
+        check_early_launches(lambda kept=None: chain(kept, rows), quantization)
+
+
 # --- a model -----------------------------------------------------------------------------------------------------
 
 def as_transformers(ours, model_dir):
@@ -154,11 +201,33 @@ def test_quantized_model_equals_transformers_with_the_dequantized_weights(arch, 
     assert (ours - ref).abs().max() < 1e-4
 
 
-def test_tied_lm_head_gets_its_own_int8_copy_and_transformers_matches_it():
+def test_tied_lm_head_gets_its_own_int8_copy():
     d = tiny_model_dir("qwen3")  # tied embeddings
     model = quantize_model(load_model(d, device=DEVICE, dtype=torch.float32))
     assert model.config.tie_word_embeddings and isinstance(model.lm_head, Int8Linear)
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+
+
+def test_a_bias_stays_and_is_added_after_the_matmul():
+    linear = torch.nn.Linear(64, 24).to(DEVICE)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(5, 64, device=DEVICE)
+    expect = torch.nn.functional.linear(x, dequantize_int8(layer.qweight, layer.scale), linear.bias)
+    torch.testing.assert_close(layer(x), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.rows(8, 20)(x), expect[:, 8:20], rtol=1e-5, atol=1e-5)
+    model = quantize_model(torch.nn.Sequential(linear))
+    assert isinstance(model[0], Int8Linear) and model[0].bias is not None
+
+
+def test_quantized_weights_take_the_bytes_the_benchmark_floor_counts():
+    "Chapter 11c's weight_bytes_per_step(..., 'int8') against the bytes a quantized model holds (tied and untied heads)."
+    from nanoserve.benchmark import weight_bytes_per_step
+    for arch in ("llama", "qwen3"):
+        model = quantize_model(load_model(tiny_model_dir(arch), device="cpu", dtype=torch.bfloat16))
+        held = sum(t.numel() * t.element_size() for name, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if "embed_tokens" not in name and "rotary" not in name)  # a step gathers rows of the embedding; the tied
+    # LM head has its own copy; the rotary frequencies are no weight
+        assert weight_bytes_per_step(model.config, torch.bfloat16, "int8") == held, arch
 
 
 def test_stacked_weights_are_quantized_once_and_their_parts_are_views():
@@ -185,6 +254,20 @@ def test_fusing_after_quantizing_leaves_the_int8_projections_unstacked():
 
 
 # --- the engine ----------------------------------------------------------------------------------------------------
+
+def test_prepare_model_frees_the_float_weights_it_replaces():
+    "Fused linear layers hold their own bound forward (a reference cycle): quantizing must not leave their weights alive."
+    import gc, weakref
+    from nanoserve.model_runner import prepare_model
+    model = fuse_small_ops(load_model(tiny_model_dir("llama"), device="cpu", dtype=torch.float32))
+    gc.collect()
+    old = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    old += [weakref.ref(layer.qkv_weight) for layer in (l.self_attn for l in model.model.layers)]
+    gc.disable()  # only prepare_model's own collection may free them
+    try: prepare_model(model, EngineConfig(quantization="int8", fuse_ops=False))
+    finally: gc.enable()
+    assert len(old) > 10 and not any(ref() is not None for ref in old)
+
 
 def test_engine_option_is_checked():
     with pytest.raises(ValueError, match=r"quantization='int4': expected one of \(None, 'int8'\)"): EngineConfig(quantization="int4")
