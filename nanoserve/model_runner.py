@@ -160,7 +160,9 @@ def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
         from nanoserve.fused_ops import fuse_small_ops
         fuse_small_ops(model)
     if config.quantization == "int8":
-        from nanoserve.quantization import quantize_model
+        try: from nanoserve.quantization import quantize_model
+        except ImportError as e:  # its kernels need triton, which macOS installs lack
+            raise ValueError(f"quantization='int8' needs the triton package, which this install cannot import ({e})") from None
         quantize_model(model)  # after fusing: the stacked q/k/v and gate/up weights are quantized as one matrix each
         gc.collect()  # the replaced layers: fused ones hold their own bound forward, a cycle only the collector frees
         if device.type == "cuda": torch.cuda.empty_cache()  # their bf16 weights' memory, for the KV cache sized next

@@ -269,6 +269,14 @@ def test_prepare_model_frees_the_float_weights_it_replaces():
     assert len(old) > 10 and not any(ref() is not None for ref in old)
 
 
+def test_int8_without_triton_is_a_clear_error(monkeypatch):
+    import sys
+    from nanoserve.model_runner import prepare_model
+    monkeypatch.setitem(sys.modules, "nanoserve.quantization", None)  # as an install without triton fails to import it
+    with pytest.raises(ValueError, match="quantization='int8' needs the triton package"):
+        prepare_model(load_model(tiny_model_dir("llama"), device="cpu"), EngineConfig(quantization="int8"))
+
+
 def test_engine_option_is_checked():
     with pytest.raises(ValueError, match=r"quantization='int4': expected one of \(None, 'int8'\)"): EngineConfig(quantization="int4")
 
