@@ -17,7 +17,7 @@ over replays of that graph, divided by the calls in it.
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, datetime, json, subprocess, sys
+import argparse, datetime, json, sys
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ try:
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT))
 import nanoserve.quantization as quantization
+import paged_attention as pa  # noqa: E402  (its CUDA-graph capture and commit helper)
 from nanoserve.benchmark import copy_bandwidth
 from nanoserve.fused_ops import linear
 from nanoserve.quantization import (INT8_DEQUANT_ROWS, INT8_TILES, INT8_WIDE, dequantize_int8, int8_linear, int8_splits, int8_tile,
@@ -52,20 +53,8 @@ def log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def graphed(fn):
-    "`fn` captured once in a CUDA graph (after a warm-up on a side stream); returns the replay."
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3): fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): fn()
-    return graph.replay
-
-
 def us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(graphed(fn), warmup=10, rep=50, return_mode="median")
+    return 1e3 * triton.testing.do_bench(pa.graphed(fn), warmup=10, rep=50, return_mode="median")
 
 
 def per_call_us(calls) -> float:
@@ -155,9 +144,8 @@ def main():
     args = ap.parse_args()
     copy_gbs = copy_bandwidth() / 1e9  # chapter 11c's measure, as the latency and throughput records use
     log(f"copy {copy_gbs:.0f} GB/s")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"benchmark": "int8_linear" + " --sweep" * args.sweep + " --sweep-splits" * args.sweep_splits, "device": torch.cuda.get_device_name(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
               "settings": {"INT8_GEMV": list(quantization.INT8_GEMV), "INT8_WIDE": INT8_WIDE, "INT8_DEQUANT_ROWS": INT8_DEQUANT_ROWS,
                            "INT8_SPLIT_PROGRAMS": quantization.INT8_SPLIT_PROGRAMS, "INT8_MIN_SPLIT_TILES": quantization.INT8_MIN_SPLIT_TILES,
