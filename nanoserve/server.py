@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'TEXT_MARGIN', 'SERVER_GC_THRESHOLD',
            'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five', 'ServerMetrics', 'sse',
-           'failed_events', 'completion_events', 'chat_events', 'EventStream', 'final_output', 'ModelNotFound',
-           'OpenAIServer', 'add_routes', 'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer',
-           'check_port', 'make_server', 'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread',
+           'failed_events', 'tagged', 'completion_events', 'chat_events', 'EventStream', 'final_outputs',
+           'ModelNotFound', 'OpenAIServer', 'add_routes', 'add_error_handlers', 'check_api_key', 'build_app',
+           'DrainingServer', 'check_port', 'make_server', 'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread',
            'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
@@ -181,38 +181,63 @@ def failed_events(error: Exception) -> str:
     return sse({"error": {"message": message, "type": "service_unavailable" if stopped else "server_error",
                           "param": None, "code": 503 if stopped else 500}}) + sse("[DONE]")
 
-async def completion_events(outputs, rid: str, model: str, tokenizer, include_usage: bool):
-    "The events of a streamed completion, from the request's async iterator of outputs."
-    created, sent_text, sent_tokens, out = int(time.time()), 0, 0, None
-    async with contextlib.aclosing(outputs):
+async def tagged(outputs: list):
+    """(i, output) for the outputs of every choice i as they come, each choice's in order. A choice's next output is
+    read only once its last one has been taken, so a slow client gets the latest (cumulative) output, as with one."""
+    if len(outputs) == 1:  # the common case: no tasks
+        async with contextlib.aclosing(outputs[0]):
+            async for out in outputs[0]: yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(o)): i for i, o in enumerate(outputs)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for next_out in done:
+                i = pending.pop(next_out)
+                try: out = next_out.result()
+                except StopAsyncIteration: continue  # choice i has ended
+                yield i, out
+                pending[asyncio.ensure_future(anext(outputs[i]))] = i
+    finally:  # ended early (a failed choice, a client gone): stop the reads in flight, then close every choice's outputs
+        for read in pending: read.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for o in outputs: await o.aclose()  # AsyncLLMEngine.outputs aborts a request that has not finished
+
+async def completion_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, n: int = 1):
+    "The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order)."
+    created, k = int(time.time()), len(outputs)
+    sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
+    async with contextlib.aclosing(tagged(outputs)) as choices:
         try:
-            async for out in outputs:
-                text, end = out.text[sent_text:], len(out.token_ids)
-                if end > sent_tokens or out.finished:
-                    yield sse(chunk(rid, model, created, False, [completion_delta(out, tokenizer, text, sent_tokens, end, sent_text)]))
-                sent_text, sent_tokens = len(out.text), end
+            async for i, out in choices:
+                text, end = out.text[sent_text[i]:], len(out.token_ids)
+                if end > sent_tokens[i] or out.finished:
+                    delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, sent_text[i], i)
+                    yield sse(chunk(rid, model, created, False, [delta]))
+                sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
             return
-    if include_usage and out is not None: yield sse(chunk(rid, model, created, False, [], usage(out)))
+    if include_usage and all(o is not None for o in last): yield sse(chunk(rid, model, created, False, [], usage(last, n)))
     yield sse("[DONE]")
 
-async def chat_events(outputs, rid: str, model: str, tokenizer, include_usage: bool):
-    "The events of a streamed chat completion: the role, content deltas, the finish reason, [usage], [DONE]."
-    created, sent_text, sent_tokens, out = int(time.time()), 0, 0, None
-    async with contextlib.aclosing(outputs):
-        yield sse(chunk(rid, model, created, True, [chat_delta(None, tokenizer, {"role": "assistant", "content": ""})]))
+async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool):
+    "The events of a streamed chat completion: per choice the role, content deltas and the finish reason; [usage], [DONE]."
+    created, k = int(time.time()), len(outputs)
+    sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
+    async with contextlib.aclosing(tagged(outputs)) as choices:
+        for i in range(k): yield sse(chunk(rid, model, created, True, [chat_delta(None, tokenizer, {"role": "assistant", "content": ""}, index=i)]))
         try:
-            async for out in outputs:
-                text, end = out.text[sent_text:], len(out.token_ids)
-                if end > sent_tokens:
-                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens, end)]))
-                sent_text, sent_tokens = len(out.text), end
+            async for i, out in choices:
+                text, end = out.text[sent_text[i]:], len(out.token_ids)
+                if end > sent_tokens[i]:
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens[i], end, i)]))
+                if out.finished: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i)]))
+                sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
             return
-    if out is not None: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {})]))
-    if include_usage and out is not None: yield sse(chunk(rid, model, created, True, [], usage(out)))
+    if include_usage and all(o is not None for o in last): yield sse(chunk(rid, model, created, True, [], usage(last, k)))
     yield sse("[DONE]")
 
 class EventStream(StreamingResponse):
@@ -241,17 +266,23 @@ async def _disconnected(request: Request):
     "Return when the client of `request` hangs up (its body has been read already)."
     while (await request.receive())["type"] != "http.disconnect": pass
 
-async def final_output(outputs, request: Request, abort) -> RequestOutput | None:
-    "The last output of a request that is not streamed; None, with the request aborted, if its client leaves first."
-    reader, gone = asyncio.ensure_future(_last(outputs)), asyncio.ensure_future(_disconnected(request))
+async def _lasts(outputs: list) -> list:
+    "The final output of each choice, read one choice after another (the others' latest outputs wait in their streams)."
+    return [await _last(o) for o in outputs]
+
+async def final_outputs(outputs: list, request: Request, abort) -> list | None:
+    "The last output of every choice of a request that is not streamed; None, with all aborted, if its client leaves first."
+    reader, gone = asyncio.ensure_future(_lasts(outputs)), asyncio.ensure_future(_disconnected(request))
     try: await asyncio.wait({reader, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not reader.done():
             reader.cancel()
-            abort()  # the reader may not have started, and then its own finally never runs
+            abort()  # choices the reader had not reached, whose own `finally` never runs
             with contextlib.suppress(asyncio.CancelledError): await reader
-    return None if reader.cancelled() else reader.result()
+    if reader.cancelled(): return None
+    if reader.exception() is not None: abort()  # a choice failed: nobody will read the others
+    return reader.result()
 
 # %% ../chapters/12c_server.ipynb #c82d1f47
 class ModelNotFound(LookupError):
@@ -292,13 +323,14 @@ class OpenAIServer:
                                  f"vocabulary is longer than {self.max_token_chars} characters. However, you sent "
                                  f"{num_chars} characters. Please reduce the length of the {param}.", param)
 
-    async def completion_prompt(self, req: CompletionRequest) -> list:
-        "The token ids of a completion request's prompt (a string, tokenized off the event loop, or token ids already)."
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else req.prompt
-        if not isinstance(prompt, str): return list(prompt)
-        self.check_text(prompt, "prompt")
-        self.check_chars(len(prompt), "prompt")
-        return await asyncio.to_thread(self.tokenizer.encode, prompt)
+    async def completion_prompts(self, req: CompletionRequest) -> list:
+        "The token ids of each prompt of a completion request (strings tokenized off the event loop, token ids as they are)."
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        for text in texts:
+            self.check_text(text, "prompt")
+            self.check_chars(len(text), "prompt")
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
+        return [next(encoded) if isinstance(p, str) else list(p) for p in req.prompts]
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
         "The token ids of a conversation, rendered with the model's chat template (off the event loop)."
@@ -311,18 +343,29 @@ class OpenAIServer:
         self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
-    async def start(self, ids: list, req, max_tokens: int | None, param: str, prompt_param: str):
-        "Queue a request (after checking its length against the context and the KV cache); its stream once the engine took it."
-        budget = token_budget(max_tokens, len(ids), self.max_model_len, param, prompt_param, self.kv_capacity)
+    async def start(self, prompts: list, req, max_tokens: int | None, param: str, prompt_param: str) -> list:
+        """Queue `req.n` choices of each prompt, each an engine request (after checking the lengths against the context
+        and the KV cache); their streams, prompt-major, once the engine took them all. If it refuses one, none stays."""
+        budgets = [token_budget(max_tokens, len(ids), self.max_model_len, param, prompt_param, self.kv_capacity) for ids in prompts]
         if req.stop and self.tokenizer is None:
             raise InvalidRequest("This model has no tokenizer, so stop strings cannot be matched: use stop_token_ids.", "stop")
-        params = sampling_params(req, budget)
-        try: return await self.engine.add_request(ids, params)
-        except ValueError as e: raise InvalidRequest(str(e), prompt_param) from None  # what the engine refuses is the prompt
+        choices, limit = len(prompts) * req.n, self.engine.max_waiting
+        if limit is not None and choices > limit:  # it could never be queued whole
+            raise InvalidRequest(f"This request asks for {choices} choices ({len(prompts)} prompts x n={req.n}), but this "
+                                 f"server queues at most {limit} requests.", "n" if req.n > 1 else prompt_param)
+        params = [(ids, sampling_params(req, budget, j)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
+        added = await asyncio.gather(*(self.engine.add_request(ids, p) for ids, p in params), return_exceptions=True)
+        refused = next((r for r in added if isinstance(r, BaseException)), None)
+        if refused is None: return added
+        for stream in added:
+            if not isinstance(stream, BaseException): self.engine.abort(stream.request_id)
+        if isinstance(refused, ValueError): raise InvalidRequest(str(refused), prompt_param) from None  # what the engine refuses is the prompt
+        raise refused
 
-    def abort_unless_finished(self, stream):
-        "Abort a request whose response has ended, unless its last output was read."
-        if not stream.finished: self.engine.abort(stream.request_id)
+    def abort_unless_finished(self, streams: list):
+        "Abort the requests of a response that has ended, unless their last outputs were read."
+        for stream in streams:
+            if not stream.finished: self.engine.abort(stream.request_id)
 
 # %% ../chapters/12c_server.ipynb #29673956
 def _include_usage(req) -> bool: return req.stream_options is not None and req.stream_options.include_usage
@@ -358,24 +401,26 @@ def add_routes(app: FastAPI, server: OpenAIServer):
     async def completions(req: CompletionRequest, request: Request):
         "Complete a prompt (OpenAI's legacy completions API); with `stream: true`, as server-sent events."
         server.check_model(req.model)
-        stream = await server.start(await server.completion_prompt(req), req, req.max_tokens, "max_tokens", "prompt")
-        rid, outputs, abort = new_id("cmpl"), server.engine.outputs(stream), functools.partial(server.abort_unless_finished, stream)
+        streams = await server.start(await server.completion_prompts(req), req, req.max_tokens, "max_tokens", "prompt")
+        rid, abort = new_id("cmpl"), functools.partial(server.abort_unless_finished, streams)
+        outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
-            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req)), abort)
-        out = await final_output(outputs, request, abort)
-        return Response(status_code=499) if out is None else completion_response(rid, server.model_name, out, server.tokenizer)
+            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n), abort)
+        outs = await final_outputs(outputs, request, abort)
+        return Response(status_code=499) if outs is None else completion_response(rid, server.model_name, outs, server.tokenizer, req.n)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=error_docs)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         "Answer a conversation, rendered with the model's chat template; with `stream: true`, as server-sent events."
         server.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        stream = await server.start(await server.chat_prompt(req), req, req.max_completion_tokens or req.max_tokens, param, "messages")
-        rid, outputs, abort = new_id("chatcmpl"), server.engine.outputs(stream), functools.partial(server.abort_unless_finished, stream)
+        streams = await server.start([await server.chat_prompt(req)], req, req.max_completion_tokens or req.max_tokens, param, "messages")
+        rid, abort = new_id("chatcmpl"), functools.partial(server.abort_unless_finished, streams)
+        outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
             return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req)), abort)
-        out = await final_output(outputs, request, abort)
-        return Response(status_code=499) if out is None else chat_response(rid, server.model_name, out, server.tokenizer)
+        outs = await final_outputs(outputs, request, abort)
+        return Response(status_code=499) if outs is None else chat_response(rid, server.model_name, outs, server.tokenizer)
 
 # %% ../chapters/12c_server.ipynb #4ce4db2c
 def _cause(e: Exception) -> str:

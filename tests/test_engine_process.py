@@ -319,6 +319,13 @@ def test_the_server_runs_on_an_engine_process(llm):
                                                stream=True, stream_options={"include_usage": True}))
         assert "".join(p.choices[0].text for p in parts if p.choices) == expected.text
         assert parts[-1].usage.completion_tokens == 12
+        greedy = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        both = dict(model=DEFAULT_MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0)
+        assert [c.text for c in client.completions.create(**both).choices] == [o.text for o in greedy for _ in range(2)]
+        texts = [""] * 4
+        for part in client.completions.create(**both, stream=True):
+            for c in part.choices: texts[c.index] += c.text
+        assert texts == [o.text for o in greedy for _ in range(2)]
         os.kill(engine.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not server.should_exit and time.monotonic() < deadline: time.sleep(0.05)

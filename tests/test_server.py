@@ -203,6 +203,49 @@ def test_seeds_are_reproducible(client):
     assert sample(8) != a
 
 
+def test_n_choices_of_several_prompts_are_the_single_requests_with_seeds_seed_plus_j(client):
+    "Choice i * n + j is prompt i sampled with seed + j; each prompt counts once in usage, every token counts."
+    prompts, n, seed = PROMPTS[:2], 3, 11
+    args = dict(model=MODEL, max_tokens=8, temperature=1.0)
+    r = client.completions.create(prompt=prompts, n=n, seed=seed, **args)
+    singles = [client.completions.create(prompt=p, seed=seed + j, **args) for p in prompts for j in range(n)]
+    assert [c.index for c in r.choices] == list(range(len(prompts) * n))
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(s.choices[0].text, s.choices[0].finish_reason) for s in singles]
+    assert len({c.text for c in r.choices[:n]}) > 1  # the samples of one prompt differ
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles[::n])
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    streamed = list(client.completions.create(prompt=prompts, n=n, seed=seed, stream=True,
+                                              stream_options={"include_usage": True}, **args))
+    texts, finishes = [""] * len(r.choices), [[] for _ in r.choices]
+    for part in streamed:
+        for c in part.choices:
+            texts[c.index] += c.text
+            if c.finish_reason: finishes[c.index].append(c.finish_reason)
+    assert texts == [c.text for c in r.choices] and finishes == [[c.finish_reason] for c in r.choices]
+    assert streamed[-1].usage == r.usage
+
+
+def test_n_chat_choices_plain_and_streamed(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0, seed=3, n=2)
+    r = client.chat.completions.create(**args)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**args, "n": 1, "seed": 3 + j}).usage.completion_tokens for j in range(2))
+    parts = list(client.chat.completions.create(**args, stream=True))
+    for i, choice in enumerate(r.choices):
+        mine = [c for p in parts for c in p.choices if c.index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == choice.finish_reason
+        assert [c.finish_reason for c in mine[:-1]] == [None] * (len(mine) - 1)
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+
+
+def test_a_refused_choice_leaves_none_of_its_request_queued(url):
+    "One prompt of a list refused by the engine (a token id outside the vocabulary): a 400, and nothing of it runs."
+    r = httpx.post(f"{url}{C}", json={"model": MODEL, "prompt": [[1, 2, 3]] * 5 + [[1, 10**6]], "n": 4,
+                                      "max_tokens": 300, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert wait_until_idle(url, timeout=2) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+
+
 def test_completion_logprobs(client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
@@ -319,6 +362,23 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(url, client, reference):
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_aborts_every_choice(url, stream):
+    aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
+    body = {**_long_request(stream), "prompt": ["Write a long story.", "Write a long poem."], "n": 2}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            next(line for line in r.iter_lines() if line.startswith("data:"))
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 5
+    while metric(url, "nanoserve:request_success_total", finished_reason="abort") < aborted + 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 4
+    assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
+
+
 def test_disconnect_while_waiting_for_a_plain_response_aborts(url, caplog):
     aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
@@ -380,7 +440,7 @@ def test_a_failed_stream_ends_with_its_error_event_then_done(stopped):
         raise EngineStopped("stopping") if stopped else RequestFailed("injected fault")
         yield  # an async generator
     async def events(make):
-        return [e async for e in make(failing(), "cmpl-1", MODEL, None, True)]
+        return [e async for e in make([failing()], "cmpl-1", MODEL, None, True)]
     for make in (completion_events, chat_events):
         lines = [line for e in asyncio.run(events(make)) for line in e.splitlines() if line]
         error = json.loads(lines[-2].removeprefix("data: "))["error"]
@@ -394,7 +454,13 @@ C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 BAD_REQUESTS = [
     (C, {"prompt": "hi", "temperature": 3}, 400, "temperature"),
     (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    (C, {"prompt": "hi", "n": 2}, 400, "n"),
+    (C, {"prompt": "hi", "n": 0}, 400, "n"),
+    (C, {"prompt": "hi", "n": 129}, 400, "n"),
+    (C, {"prompt": ["hi"] * 17, "n": 128}, 400, "n"),  # 2176 choices: more than the server queues (2048)
+    (C, {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
+    (C, {"prompt": [[1, 2], []]}, 400, "prompt"),
+    (C, {"prompt": ["hi"] * 2049}, 400, "prompt"),
     (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     (C, {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -408,7 +474,6 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop"),
     (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    (C, {"prompt": ["one", "two"]}, 400, "prompt"),
     (C, {"max_tokens": 4}, 400, "prompt"),
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (C, {"prompt": "hi", "seed": -2**70}, 400, "seed"),
