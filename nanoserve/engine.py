@@ -146,6 +146,8 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     if (params.logprobs or 0) > vocab_size: raise ValueError(f"logprobs={params.logprobs}: this model has only {vocab_size} tokens")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids={list(params.stop_token_ids)}: this model's token ids are below {vocab_size}")
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # sorted: the last id is the largest
+        raise ValueError(f"logit_bias names token {params.logit_bias[-1][0]}: this model's token ids are below {vocab_size}")
     if request_id is None: request_id = next(i for i in map(str, self._ids) if i not in self.requests)  # not one the caller took
     else: request_id = str(request_id)
     if request_id in self.requests: raise ValueError(f"request_id={request_id!r} is already running")

@@ -14,7 +14,7 @@ import torch
 
 from .attention import causal_attention
 from .model import CausalLM, ModelConfig
-from .sampling import SamplingParams, check_stop, make_generator, sample
+from .sampling import SamplingParams, TokenHistory, check_stop, make_generator, sample
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% ../chapters/07_kv_cache.ipynb #7fc5b449
@@ -125,7 +125,8 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     start = time.perf_counter()
     logits = forward_cached(model, torch.tensor(prompt_ids, device=weight.device), cache)[-1:]  # prefill
     while True:
-        token = sample(logits, [params], [generator]).token_ids.item()
+        history = TokenHistory.from_lists([prompt_ids], [out], weight.device) if params.penalized else None
+        token = sample(logits, [params], [generator], history).token_ids.item()
         if not out: ttft = time.perf_counter() - start
         out.append(token)
         piece = detok.step(token)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'QUANTIZATIONS', 'PREFILL_GRAPH_TOKENS', 'EngineConfig', 'scheduler_config',
            'BatchInputs', 'block_table_array', 'prepare_inputs', 'attention_backend', 'prepare_model',
-           'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'graph_batch_sizes', 'GraphBuffers',
+           'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'token_history', 'graph_batch_sizes', 'GraphBuffers',
            'prefill_graph_length']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
@@ -18,7 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .model import CausalLM
 from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, PagedAttentionMetadata, PagedKVCache, block_bytes
-from .sampling import SamplerOutput, SamplingParams, sample
+from .sampling import SamplerOutput, SamplingParams, TokenHistory, sample
 from .scheduler import SchedulerConfig, SchedulerOutput, Sequence
 
 logger = logging.getLogger("nanoserve")
@@ -279,8 +279,22 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     n = len(out.sampled_seqs)  # a chunk that ends before its prompt does is the last row (chapter 10) and samples nothing
     if out.partial and out.seqs[-1] not in out.partial: raise ValueError("a partial chunk must be the last row of its step")
     logits = self.forward(inputs)[:n]  # a slice: indexing with a list of rows would copy it to the GPU and wait for the GPU
-    sampled = sample(logits, [s.params for s in out.sampled_seqs], None if generators is None else generators[:n])
+    params = [s.params for s in out.sampled_seqs]
+    history = token_history(out.sampled_seqs, running, self.device) if any(p.penalized for p in params) else None
+    sampled = sample(logits, params, None if generators is None else generators[:n], history)
     return LaunchedStep(out, sampled, *_copy_to_host(sampled))
+
+def token_history(seqs: list, running: LaunchedStep | None, device) -> TokenHistory:
+    """The prompt and output tokens of each sequence, for the sampler's penalties (chapter 6b). One step ahead (chapter
+    11b), a sequence's newest token is still on its way to the host: the host lists hold -2 - (its row in the running
+    step) in its place, and the device puts in the token that the running step sampled there."""
+    rows = {} if running is None else running.rows
+    src = [rows.get(s, -1) for s in seqs]
+    history = TokenHistory.from_lists([s.prompt_token_ids for s in seqs],
+                                      [s.output_token_ids + [-2 - i] * (i >= 0) for s, i in zip(seqs, src)], device)
+    if max(src, default=-1) < 0: return history
+    ids = history.output
+    return history._replace(output=torch.where(ids <= -2, running.sampled.token_ids[(-2 - ids).clamp(min=0)], ids))
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and return its sampled tokens on the host."

@@ -36,8 +36,7 @@ MAX_STOPS = 16  # stop strings, and stop token ids, a request may give: each is 
 MAX_N = 128          # choices per prompt (`n`), OpenAI's limit
 MAX_PROMPTS = 2048   # prompts in one completions request, OpenAI's limit
 
-ACCEPTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "suffix": "",
-            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # the one value each may have
+ACCEPTED = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # the one value each may have
 
 def only_accepted(cls, value, info):
     "Validator for the fields in ACCEPTED: refuse any other value, by name."
@@ -61,9 +60,10 @@ class SamplingRequest(OpenAIModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)  # choices: samples of each prompt, each its own engine request
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    logit_bias: dict | None = None  # its entries unchecked: only {} is accepted
+    presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | None = Field(None, ge=0.01, le=100)  # vLLM
+    logit_bias: dict[str, StrictFloat] | None = None  # {"token id": bias in [-100, 100]}
     user: str | None = None
 
     @field_validator("stop")
@@ -79,7 +79,14 @@ class SamplingRequest(OpenAIModel):
         if v is not None and any(i < 0 for i in v): raise ValueError("token ids must be >= 0")
         return v
 
-    _accepted = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(classmethod(only_accepted))
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):  # JSON's keys are strings: OpenAI's are token ids written out
+        if v is None: return v
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()): raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {key!r}")
+            if not -100 <= bias <= 100: raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias} for token {key}")
+        return {int(key): bias for key, bias in v.items()}
 
     @field_validator("n", "stream", "ignore_eos", mode="before")
     @classmethod
@@ -203,7 +210,8 @@ def choice_seed(seed: int, choice: int) -> int:
 
 def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0) -> SamplingParams:
     "The SamplingParams of one choice (0 to n - 1) of a request: its fields, or the engine's defaults where it left them out."
-    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p") if getattr(req, name) is not None}
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                   "frequency_penalty", "repetition_penalty", "logit_bias") if getattr(req, name) is not None}
     if req.seed is not None: given["seed"] = choice_seed(req.seed, choice)
     top = req.logprobs if isinstance(req, CompletionRequest) else (req.top_logprobs or 0) if req.logprobs else None
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,

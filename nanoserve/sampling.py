@@ -4,15 +4,17 @@
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'GREEDY_BELOW', 'FLOAT32_MAX', 'greedy_naive', 'filter_logits', 'SamplingParams', 'argmax_rows',
-           'make_generator', 'exponential_race', 'SamplingTensors', 'SamplerOutput', 'with_logprobs', 'sample',
-           'find_stop', 'StopCheck', 'check_stop']
+           'make_generator', 'exponential_race', 'to_device', 'TokenHistory', 'token_counts', 'apply_penalties',
+           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'with_logprobs', 'sample', 'find_stop', 'StopCheck',
+           'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
-import math, reprlib
+import itertools, math, reprlib
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # %% ../chapters/06b_sampling.ipynb #2a05c295
@@ -65,6 +67,9 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
                  _or_none(int)),
+    "presence_penalty": (lambda v: _real(v) and -2 <= v <= 2, "a number in [-2, 2] (OpenAI's range)", float),
+    "frequency_penalty": (lambda v: _real(v) and -2 <= v <= 2, "a number in [-2, 2] (OpenAI's range)", float),
+    "repetition_penalty": (lambda v: _real(v) and 0.01 <= v <= 100, "a number in [0.01, 100]; 1 disables", float),
 }
 
 # %% ../chapters/06b_sampling.ipynb #6428b5f4
@@ -74,6 +79,15 @@ def _stop_strings(stop) -> tuple:
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop={stop!r}: expected None, a non-empty string, or a list of non-empty strings")
     return tuple(stops)
+
+def _logit_bias(bias) -> tuple:
+    "`logit_bias` (None, or a dict {token id: bias in [-100, 100]}) as a sorted tuple of (int, float) pairs."
+    if bias is None: return ()
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple, type({}.items()))) or not all(
+            isinstance(p, tuple) and len(p) == 2 and _int(p[0]) and p[0] >= 0 and _real(p[1]) and -100 <= p[1] <= 100 for p in pairs):
+        raise ValueError(f"logit_bias={reprlib.repr(bias)}: expected a dict of token ids (integers >= 0) to biases in [-100, 100]")
+    return tuple(sorted((int(t), float(b)) for t, b in pairs))
 
 def _token_ids(ids) -> tuple:
     "`stop_token_ids` (None, or a list, tuple or set of token ids) as a tuple of ints."
@@ -96,6 +110,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # token ids that stop generation, besides EOS
     ignore_eos: bool = False    # keep going after the end-of-sequence token
     logprobs: int | None = None # n: return the chosen token's log probability and the top-n alternatives
+    presence_penalty: float = 0.0   # subtract this from the logit of every token the output holds already
+    frequency_penalty: float = 0.0  # ... and this times the number of times it holds it
+    repetition_penalty: float = 1.0 # divide the positive logits, multiply the negative ones, of tokens in the prompt or output
+    logit_bias: tuple = ()      # (token id, bias) pairs added to the logits; give a dict {token id: bias}
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -105,10 +123,13 @@ class SamplingParams:
             value = keep(value)
         elif name == "stop": value = _stop_strings(value)
         elif name == "stop_token_ids": value = _token_ids(value)
+        elif name == "logit_bias": value = _logit_bias(value)
         object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool: return self.temperature < GREEDY_BELOW
+    @property
+    def penalized(self) -> bool: return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
 # %% ../chapters/06b_sampling.ipynb #1b8c4d6e
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,) long
@@ -132,6 +153,51 @@ def exponential_race(probs: torch.Tensor, generators=None) -> torch.Tensor:
         if gen is not None: noise[row].exponential_(generator=gen)  # a seeded row's own draw
     return argmax_rows(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny))  # (B,); the clamp avoids 0/0
 
+# %% ../chapters/06b_sampling.ipynb #q6b00002
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    "A host tensor on `device`; through pinned memory to a GPU, so that the copy need not wait for the GPU's queue."
+    if torch.device(device).type == "cuda": t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+class TokenHistory(NamedTuple):
+    "The tokens each row has seen, for the penalties: prompt and output ids as (B, L) long tensors on the logits' device, -1 padding."
+    prompt: torch.Tensor
+    output: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, prompts: list, outputs: list, device) -> "TokenHistory":
+        "Pad B prompt and B output lists of token ids into two tensors, with one host-to-device copy."
+        rows = [*prompts, *outputs]
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        ids = np.full((len(rows), lens.max(initial=0)), -1, dtype=np.int64)  # numpy reads a long list of ints faster than torch
+        ids[np.arange(ids.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lens.sum()))
+        ids = to_device(torch.from_numpy(ids), device)
+        return cls(ids[:len(prompts)], ids[len(prompts):])
+
+def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    "How often each token occurs in each row of ids (B, L), -1 padding skipped: (B, V) float32."
+    ids = torch.where(ids < 0, vocab_size, ids)  # padding counts in one extra column, then dropped
+    counts = torch.zeros(len(ids), vocab_size + 1, device=ids.device)
+    return counts.scatter_add_(1, ids, torch.ones(ids.shape, device=ids.device))[:, :vocab_size]
+
+def apply_penalties(logits: torch.Tensor, history: TokenHistory, presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    "Logits (B, V) after the repetition penalty (prompt and output tokens), then the frequency and presence penalties (output tokens)."
+    counts = token_counts(history.output, logits.shape[-1])  # (B, V)
+    seen = (counts > 0) | (token_counts(history.prompt, logits.shape[-1]) > 0)
+    r = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    "Logits (B, V) plus each row's logit_bias, in place; a token id outside the vocabulary is a ValueError."
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if not entries: return logits
+    rows, ids, bias = zip(*entries)
+    if max(ids) >= logits.shape[-1]: raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {logits.shape[-1]}")
+    where, bias = to_device(torch.tensor([rows, ids]), logits.device), to_device(torch.tensor(bias, dtype=logits.dtype), logits.device)
+    return logits.index_put_((where[0], where[1]), bias, accumulate=True)
+
 # %% ../chapters/06b_sampling.ipynb #c6fe78ec
 class SamplingTensors(NamedTuple):
     "Each row's sampling parameters as (B,) tensors on the logits' device."
@@ -140,16 +206,17 @@ class SamplingTensors(NamedTuple):
     top_p: torch.Tensor        # float, 1 when disabled
     min_p: torch.Tensor        # float, 0 when disabled
     greedy: torch.Tensor       # bool
+    presence: torch.Tensor     # float, 0 when disabled
+    frequency: torch.Tensor    # float, 0 when disabled
+    repetition: torch.Tensor   # float, 1 when disabled
 
     @classmethod
     def from_params(cls, params: list, vocab_size: int, device) -> "SamplingTensors":
-        "Build all five tensors with one host-to-device copy."
+        "Build all eight tensors with one host-to-device copy."
         rows = [(1.0 if p.greedy else p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
-                 p.top_p, p.min_p, float(p.greedy)) for p in params]
-        t = torch.tensor(rows, dtype=torch.float32)  # (B, 5); exact for vocabularies below 2**24
-        if torch.device(device).type == "cuda": t = t.pin_memory()  # so the copy need not wait for the GPU's queue
-        t = t.to(device, non_blocking=True)
-        return cls(t[:, 0].float(), t[:, 1].long(), t[:, 2].float(), t[:, 3].float(), t[:, 4].bool())
+                 p.top_p, p.min_p, float(p.greedy), p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params]
+        t = to_device(torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 8), device)  # exact for vocabularies below 2**24
+        return cls(t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3], t[:, 4].bool(), t[:, 5], t[:, 6], t[:, 7])
 
 # %% ../chapters/06b_sampling.ipynb #04c4b6f1
 @dataclass
@@ -170,16 +237,22 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
 @torch.no_grad()
-def sample(logits: torch.Tensor, params: list, generators=None) -> SamplerOutput:
-    "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator."
+def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None) -> SamplerOutput:
+    "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
     if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
     if generators is not None and len(generators) != len(logits):
         raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
-    token_ids = argmax_rows(logits)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
+    penalized, biased = any(p.penalized for p in params), any(p.logit_bias for p in params)
+    if penalized and (history is None or len(history.prompt) != len(logits) or len(history.output) != len(logits)):
+        raise ValueError("penalties need the tokens each row has seen: pass a TokenHistory with one row per row of logits")
+    t = SamplingTensors.from_params(params, logits.shape[-1], logits.device) if penalized or not all(p.greedy for p in params) else None
+    edited = logits  # the logits that decide: the raw ones, or a float32 copy with the bias and the penalties
+    if biased: edited = apply_logit_bias(logits.to(torch.float32, copy=True), params)  # a copy: the raw logits give the logprobs
+    if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
+    token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
-        t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
-        scaled = logits.float() / t.temperature[:, None]
+        scaled = edited.float() / t.temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
         token_ids = torch.where(t.greedy, token_ids, exponential_race(scaled.softmax(-1), generators))

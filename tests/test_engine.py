@@ -111,6 +111,30 @@ def test_async_scheduling_changes_nothing(tiny):
     assert ahead.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_penalties_and_logit_bias_equal_chapter_7_sync_async_and_preempted(tiny):
+    "The engine's token history (the host's lists; one step ahead, the newest token from the device) gives chapter 7's tokens."
+    from nanoserve.generate import generate
+    class NoText:  # the tiny models have no tokenizer
+        stop_token_ids = frozenset()
+        def decode(self, ids, skip_special_tokens=False): return ""
+    arch, d = tiny
+    prompts = random_prompts()[:4]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True, frequency_penalty=-1.0, logit_bias={5: 3.0}),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={7: 100})]
+    model = load_model(d)
+    ref = [generate(model, NoText(), p, sp).token_ids for p, sp in zip(prompts, params)]
+    plain = generate(model, NoText(), prompts[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)).token_ids
+    assert len(set(ref[0])) > len(set(plain)) and ref[3] == [7] * 30  # the penalty spreads the tokens; +100 forces one
+    for overlap, pool in ((False, 256), (True, 256), (True, 8)):  # 8 blocks of 16: preemptions, and recomputed histories
+        llm = LLM(d, num_kv_blocks=pool, device="cpu", async_scheduling=overlap)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref, (overlap, pool)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match="logit_bias names token 512"):
+        llm.llm_engine.add_request("x", [1, 2], SamplingParams(logit_bias={512: 1.0}))
+
+
 def test_async_scheduling_stops_and_logprobs_equal_sync(default_llm):
     ahead = LLM(max_model_len=512, num_kv_blocks=128, device="cpu", async_scheduling=True)
     tok = ahead.get_tokenizer()
@@ -509,6 +533,22 @@ def test_gpu_bf16_batched_equals_one_at_a_time_and_sizes_kv_from_memory():
     del batched, runner
     single = LLM(d, dtype="bfloat16", max_model_len=512, max_num_seqs=1, num_kv_blocks=512)
     assert outs == [single.generate(p, params, use_tqdm=False)[0].token_ids for p in random_prompts()]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_penalties_one_step_ahead_in_cuda_graphs_equal_sync():
+    "On a GPU the newest token of a penalised row comes from the running step on the device; the graphed engine gives sync's tokens."
+    d = tiny_model_dir("llama")
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=40, ignore_eos=True, presence_penalty=1.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={9: 100})]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(d, dtype="float32", max_num_seqs=8, num_kv_blocks=256, async_scheduling=overlap)
+        assert llm.llm_engine.runner.graphs and llm.llm_engine.async_scheduling == overlap
+        outs[overlap] = [o.token_ids for o in llm.generate(random_prompts()[:3], params, use_tqdm=False)]
+    assert outs[True] == outs[False] and outs[True][2] == [9] * 40
 
 
 def test_streamed_outputs_are_snapshots(default_llm):

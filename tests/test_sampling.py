@@ -263,7 +263,10 @@ def test_masked_tokens_are_never_drawn():
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 10.0), ("max_tokens", None), ("logprobs", -1),
     ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0), ("logprobs", True), ("ignore_eos", 1), ("ignore_eos", "yes"),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", 5), ("stop", [1, 2]), ("stop", {"a"}), ("stop_token_ids", 2),
-    ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]),
+    ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("presence_penalty", 2.5), ("frequency_penalty", -2.01),
+    ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("repetition_penalty", 101.0), ("repetition_penalty", True),
+    ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1.5: 1.0}), ("logit_bias", {5: float("inf")}),
+    ("logit_bias", [5, 1.0]), ("logit_bias", "5"),
 ])
 def test_invalid_field_raises_value_error_naming_field_and_value(field, value):
     with pytest.raises(ValueError) as e:
@@ -415,3 +418,80 @@ def test_greedy_naive_matches_transformers_on_the_default_model():
         assert mine == theirs
         answers.append(tok.decode(mine, skip_special_tokens=True))
     assert "Paris" in answers[0]
+
+
+# ---------------------------------------------------------------- penalties and logit bias
+
+from nanoserve.sampling import TokenHistory, apply_logit_bias, apply_penalties, sample, token_counts
+
+
+def penalties_by_loop(logits, prompts, outputs, presence, frequency, repetition):
+    "The penalties one row and one token at a time, as their definitions read."
+    out = logits.clone()
+    for b in range(len(logits)):
+        for v in range(logits.shape[1]):
+            c = outputs[b].count(v)
+            if c or v in prompts[b]:
+                out[b, v] = out[b, v] / repetition[b] if out[b, v] > 0 else out[b, v] * repetition[b]
+            out[b, v] -= frequency[b] * c + presence[b] * (c > 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_equal_their_definition_one_token_at_a_time(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, V = 5, 40
+    logits = torch.randn(B, V, generator=g) * 3
+    prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(0, 12, (B,), generator=g)]
+    outputs = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(0, 20, (B,), generator=g)]
+    presence, frequency = (torch.rand(B, generator=g) * 4 - 2 for _ in range(2))
+    repetition = torch.rand(B, generator=g) * 2 + 0.5
+    ours = apply_penalties(logits, TokenHistory.from_lists(prompts, outputs, "cpu"), presence, frequency, repetition)
+    ref = penalties_by_loop(logits, prompts, outputs, presence.tolist(), frequency.tolist(), repetition.tolist())
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    g = torch.Generator().manual_seed(0)
+    logits, seen = torch.randn(3, 100, generator=g), torch.randint(0, 100, (3, 30), generator=g)
+    for r in (0.7, 1.0, 1.5):
+        ref = RepetitionPenaltyLogitsProcessor(r)(seen, logits.clone())
+        history = TokenHistory.from_lists(seen[:, :10].tolist(), seen[:, 10:].tolist(), "cpu")  # prompt and output alike
+        assert torch.equal(apply_penalties(logits, history, torch.zeros(3), torch.zeros(3), torch.full((3,), r)), ref)
+
+
+def test_token_counts_skip_padding_and_empty_histories_are_fine():
+    h = TokenHistory.from_lists([[], [1, 1]], [[2, 2, 2], []], "cpu")
+    assert h.prompt.tolist() == [[-1, -1, -1], [1, 1, -1]] and h.output.tolist() == [[2, 2, 2], [-1, -1, -1]]  # one width: one copy
+    assert token_counts(h.output, 4).tolist() == [[0, 0, 3, 0], [0, 0, 0, 0]]
+    empty = TokenHistory.from_lists([], [], "cpu")
+    assert empty.prompt.shape == (0, 0) and token_counts(empty.output, 4).shape == (0, 4)
+
+
+def test_logit_bias_leaves_the_raw_logits_and_their_logprobs_alone():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    out = sample(logits, [SamplingParams(temperature=0, logit_bias={7: 100}, logprobs=2), SamplingParams(temperature=0, logprobs=2)])
+    assert torch.equal(logits, before) and out.token_ids.tolist() == [7, logits[1].argmax().item()]
+    assert torch.allclose(out.logprobs[0], logits[0].log_softmax(-1)[7])  # the raw distribution's, not the biased one's
+    with pytest.raises(ValueError, match="outside the vocabulary of 30"):
+        apply_logit_bias(logits.clone(), [SamplingParams(logit_bias={30: 1.0}), SamplingParams()])
+
+
+def test_penalties_change_greedy_and_sampled_rows_and_need_a_history():
+    logits = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
+    params = [SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=1e-4, frequency_penalty=0.5)]
+    with pytest.raises(ValueError, match="penalties need the tokens each row has seen"): sample(logits, params)
+    history = TokenHistory.from_lists([[2], [2]], [[0], [0]], "cpu")  # both have produced token 0 once
+    assert sample(logits, params, history=history).token_ids.tolist() == [1, 1]
+    assert sample(logits, [SamplingParams(temperature=0, repetition_penalty=2.0)] * 2, history=history).token_ids.tolist() == [1, 1]
+    assert sample(logits, [SamplingParams(temperature=0)] * 2, history=history).token_ids.tolist() == [0, 0]
+
+
+def test_penalty_params_are_normalised_and_pickle():
+    import pickle
+    p = SamplingParams(presence_penalty=1, logit_bias={9: -100, 3: 2}, repetition_penalty=2)
+    assert p.logit_bias == ((3, 2.0), (9, -100.0)) and p.penalized and isinstance(p.presence_penalty, float)
+    assert pickle.loads(pickle.dumps(p)) == p and dataclasses.replace(p, max_tokens=3).logit_bias == p.logit_bias
+    assert not SamplingParams().penalized and not SamplingParams(logit_bias={1: 5}).penalized

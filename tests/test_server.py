@@ -48,7 +48,7 @@ def reference():
     greedy = SamplingParams(temperature=0, max_tokens=16)
     chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=True)
     outs = llm.generate([*PROMPTS, chat_ids], greedy, use_tqdm=False)
-    return {"prompts": outs[:-1], "chat": outs[-1]}
+    return {"prompts": outs[:-1], "chat": outs[-1], "llm": llm}
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +244,18 @@ def test_a_refused_choice_leaves_none_of_its_request_queued(url):
                                       "max_tokens": 300, "ignore_eos": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert wait_until_idle(url, timeout=2) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+
+
+def test_penalties_and_logit_bias_equal_llm_generate(client, reference):
+    args = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"28": 5.0, "1000": -100.0})
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0, extra_body={"repetition_penalty": 1.3},
+                                  **args)
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, **{**args, "logit_bias": {28: 5.0, 1000: -100.0}})
+    ref = reference["llm"].generate([PROMPTS[2]], params, use_tqdm=False)[0]
+    assert r.choices[0].text == ref.text and not r.choices[0].text.startswith(reference["prompts"][2].text)  # 16 greedy tokens
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0.7, logit_bias={"28": 100}, logprobs=0)
+    tok = reference["llm"].get_tokenizer()
+    assert forced.choices[0].logprobs.tokens == [tok.decode([28])] * 3
 
 
 def test_completion_logprobs(client):
@@ -461,7 +473,12 @@ BAD_REQUESTS = [
     (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
     (C, {"prompt": [[1, 2], []]}, 400, "prompt"),
     (C, {"prompt": ["hi"] * 2049}, 400, "prompt"),
-    (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (C, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # checked by the engine, against the vocabulary
+    (C, {"prompt": "hi", "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
     (C, {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),

@@ -1,0 +1,60 @@
+"""What the penalties cost a decode step: the sampler with and without them, on the device, and the host's work of
+building the token history (chapter 6b's TokenHistory), for batches of 1 to 256 rows with Llama-3's vocabulary. Prints JSON.
+
+    python benchmarks/penalty_cost.py [--out results.json]
+"""
+import argparse, json, platform, random, statistics, sys, time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from nanoserve.benchmark import _median_seconds
+from nanoserve.sampling import SamplingParams, TokenHistory, sample
+
+VOCAB = 128256  # Llama 3's
+PROMPT, OUTPUT = 512, 1024  # tokens each row has seen
+
+
+def gpu_ms(fn) -> float:
+    "Median milliseconds of fn on the GPU (chapter 11c's timer: CUDA events around each call)."
+    return _median_seconds(fn, iters=50) * 1e3
+
+
+def host_ms(fn, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def row(B: int, device) -> dict:
+    rng = random.Random(B)
+    prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT)] for _ in range(B)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(OUTPUT)] for _ in range(B)]
+    logits = torch.randn(B, VOCAB, device=device, dtype=torch.bfloat16)
+    plain = [SamplingParams(temperature=0.8, top_p=0.95)] * B
+    penalised = [SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)] * B
+    history = TokenHistory.from_lists(prompts, outputs, device)
+    return {"batch": B, "sampler_ms": gpu_ms(lambda: sample(logits, plain)),
+            "sampler_with_penalties_ms": gpu_ms(lambda: sample(logits, penalised, history=history)),
+            "history_host_ms": host_ms(lambda: TokenHistory.from_lists(prompts, outputs, device))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    res = {"benchmark": "penalty_cost", "device": torch.cuda.get_device_name(device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__, "python": platform.python_version()},
+           "settings": {"vocab": VOCAB, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "dtype": "bfloat16",
+                        "timer": "median of CUDA events around each sampler call (the stream's time, launch gaps included); perf_counter for the host's lists"},
+           "rows": [row(B, device) for B in (1, 64, 256)]}
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out: args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
