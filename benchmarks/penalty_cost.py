@@ -1,5 +1,6 @@
-"""What the penalties cost a decode step: the sampler with and without them, on the device, and the host's work of
-building the token history (chapter 6b's TokenHistory), for batches of 1 to 256 rows with Llama-3's vocabulary. Prints JSON.
+"""What the penalties cost a decode step: the sampler with and without them, on the device, and the host's work for the
+token history: sending every token from host lists (chapter 6b's TokenHistory.from_lists) against the engine's rows kept
+on the device (chapter 11a's TokenHistories), for batches of 1 to 256 rows with Llama-3's vocabulary. Prints JSON.
 
     python benchmarks/penalty_cost.py [--out results.json]
 """
@@ -10,7 +11,9 @@ from pathlib import Path
 import torch
 
 from nanoserve.benchmark import _median_seconds
+from nanoserve.model_runner import TokenHistories
 from nanoserve.sampling import SamplingParams, TokenHistory, sample
+from nanoserve.scheduler import Sequence
 
 VOCAB = 128256  # Llama 3's
 PROMPT, OUTPUT = 512, 1024  # tokens each row has seen
@@ -36,9 +39,15 @@ def row(B: int, device) -> dict:
     plain = [SamplingParams(temperature=0.8, top_p=0.95)] * B
     penalised = [SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)] * B
     history = TokenHistory.from_lists(prompts, outputs, device)
+    seqs = [Sequence(i, p, penalised[0]) for i, p in enumerate(prompts)]
+    for s, o in zip(seqs, outputs): s.output_token_ids = o
+    rows, tokens = TokenHistories(device), torch.zeros(B, dtype=torch.long, device=device)
+    def engine_step(): rows.gather(seqs); rows.append(tokens)
+    engine_step()  # each sequence's row is filled once, on its first step
     return {"batch": B, "sampler_ms": gpu_ms(lambda: sample(logits, plain)),
             "sampler_with_penalties_ms": gpu_ms(lambda: sample(logits, penalised, history=history)),
-            "history_host_ms": host_ms(lambda: TokenHistory.from_lists(prompts, outputs, device))}
+            "history_from_host_lists_host_ms": host_ms(lambda: TokenHistory.from_lists(prompts, outputs, device)),
+            "history_rows_on_device_host_ms": host_ms(engine_step)}
 
 
 def main(argv=None):

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'QUANTIZATIONS', 'PREFILL_GRAPH_TOKENS', 'EngineConfig', 'scheduler_config',
            'BatchInputs', 'block_table_array', 'prepare_inputs', 'attention_backend', 'prepare_model',
-           'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'token_history', 'graph_batch_sizes', 'GraphBuffers',
+           'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'TokenHistories', 'graph_batch_sizes', 'GraphBuffers',
            'prefill_graph_length']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
-import dataclasses, gc, itertools, logging, os
+import dataclasses, gc, itertools, logging, math, os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .model import CausalLM
 from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, PagedAttentionMetadata, PagedKVCache, block_bytes
-from .sampling import SamplerOutput, SamplingParams, TokenHistory, sample
+from .sampling import SamplerOutput, SamplingParams, TokenHistory, sample, to_device
 from .scheduler import SchedulerConfig, SchedulerOutput, Sequence
 
 logger = logging.getLogger("nanoserve")
@@ -209,6 +209,7 @@ class ModelRunner:
         self.cache = allocate_kv_cache(model.config, num_blocks, config.block_size, self.dtype, self.device)
         self.graphs = {}  # decode batch size -> captured CUDA graph and its static tensors
         self.prefill_graphs = {}  # one prompt's padded token count -> captured CUDA graph and its logits
+        self.histories = None  # TokenHistories, from the first step with a penalised sequence
         if self.device.type == "cuda" and not config.enforce_eager: self.capture_cuda_graphs()
         logger.info(self.summary())
 
@@ -269,6 +270,59 @@ def _copy_to_host(sampled: SamplerOutput) -> tuple:
     event.record()
     return host, event
 
+# %% ../chapters/11a_model_runner.ipynb #q11a0001
+class TokenHistories:
+    """Every token of each penalised sequence, on the device, for the sampler's penalties (chapter 6b): a row per
+    sequence holding its prompt, then each token sampled for it, written by the step that samples it. The host sends
+    a sequence's tokens once, when it is first sampled; after that a step costs the host O(batch), not O(tokens)."""
+    def __init__(self, device):
+        self.device = device
+        self.ids = torch.full((2, 64), -1, dtype=torch.int32, device=device)  # row 0: for unpenalised rows (below)
+        self.rows: dict = {}  # Sequence -> its row
+        self.lens: dict = {}  # row -> tokens written in it
+        self.prompt_lens: dict = {}
+        self.free = [1]
+        self.pending = None  # (rows, columns) where the tokens of the last gathered batch go, on the device
+
+    def _grow(self, rows: int, width: int):
+        "At least `rows` rows and `width` columns, doubling; new entries are -1."
+        R, W = self.ids.shape
+        if rows <= R and width <= W: return
+        R2, W2 = max(R, rows if rows <= R else 2 ** math.ceil(math.log2(rows))), max(W, 2 ** math.ceil(math.log2(width)))
+        grown = torch.full((R2, W2), -1, dtype=torch.int32, device=self.device)
+        grown[:R, :W] = self.ids
+        self.ids, self.free = grown, self.free + list(range(R, R2))
+
+    def _row(self, seq) -> int:
+        "The row of `seq`; on its first step, a free one filled with its tokens so far (its prompt, and any outputs)."
+        if seq in self.rows: return self.rows[seq]
+        for old in [s for s in self.rows if s.is_finished]: self.free.append(self.rows.pop(old))  # finished or aborted
+        tokens = seq.prompt_token_ids + seq.output_token_ids  # nothing in flight: a penalised sequence has a row from its first step
+        if not self.free: self._grow(len(self.ids) + 1, 1)
+        row = self.rows[seq] = self.free.pop()
+        self._grow(0, len(tokens) + 1)
+        self.ids[row] = -1
+        self.ids[row, :len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int32), self.device)
+        self.lens[row], self.prompt_lens[row] = len(tokens), seq.num_prompt_tokens
+        return row
+
+    def gather(self, seqs: list) -> TokenHistory:
+        "The batch's TokenHistory: each penalised sequence's row (an empty one for the others), split at its prompt's end."
+        rows = [self._row(s) if s.params.penalized else 0 for s in seqs]
+        self._grow(0, max(self.lens.get(r, 0) for r in rows) + 1)  # room for this step's token
+        cols = [self.lens[r] if r else 0 for r in rows]
+        for r in set(rows) - {0}: self.lens[r] += 1
+        meta = to_device(torch.tensor([rows, [self.prompt_lens.get(r, 0) for r in rows], cols]), self.device)  # one copy
+        self.pending = (meta[0], meta[2])
+        ids = self.ids[meta[0]].long()  # (B, W)
+        in_prompt = torch.arange(ids.shape[1], device=self.device) < meta[1][:, None]
+        return TokenHistory(torch.where(in_prompt, ids, -1), torch.where(in_prompt, -1, ids))
+
+    def append(self, token_ids: torch.Tensor):
+        "Write the tokens sampled for the last gathered batch (B,) after each penalised row's tokens."
+        rows, cols = self.pending  # unpenalised rows write into row 0: with penalties 0, 0 and 1, what it holds changes nothing
+        self.ids.index_put_((rows, cols), token_ids.to(torch.int32))
+
 # %% ../chapters/11a_model_runner.ipynb #7f3a8b01
 @torch.inference_mode()
 def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None,
@@ -280,21 +334,12 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     if out.partial and out.seqs[-1] not in out.partial: raise ValueError("a partial chunk must be the last row of its step")
     logits = self.forward(inputs)[:n]  # a slice: indexing with a list of rows would copy it to the GPU and wait for the GPU
     params = [s.params for s in out.sampled_seqs]
-    history = token_history(out.sampled_seqs, running, self.device) if any(p.penalized for p in params) else None
+    penalized = any(p.penalized for p in params)
+    if penalized and self.histories is None: self.histories = TokenHistories(self.device)
+    history = self.histories.gather(out.sampled_seqs) if penalized else None
     sampled = sample(logits, params, None if generators is None else generators[:n], history)
+    if penalized: self.histories.append(sampled.token_ids)  # on the device: the next step's gather sees it, in stream order
     return LaunchedStep(out, sampled, *_copy_to_host(sampled))
-
-def token_history(seqs: list, running: LaunchedStep | None, device) -> TokenHistory:
-    """The prompt and output tokens of each sequence, for the sampler's penalties (chapter 6b). One step ahead (chapter
-    11b), a sequence's newest token is still on its way to the host: the host lists hold -2 - (its row in the running
-    step) in its place, and the device puts in the token that the running step sampled there."""
-    rows = {} if running is None else running.rows
-    src = [rows.get(s, -1) for s in seqs]
-    history = TokenHistory.from_lists([s.prompt_token_ids for s in seqs],
-                                      [s.output_token_ids + [-2 - i] * (i >= 0) for s, i in zip(seqs, src)], device)
-    if max(src, default=-1) < 0: return history
-    ids = history.output
-    return history._replace(output=torch.where(ids <= -2, running.sampled.token_ids[(-2 - ids).clamp(min=0)], ids))
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and return its sampled tokens on the host."

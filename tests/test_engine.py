@@ -10,7 +10,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.loader import load_model
 from nanoserve.model_runner import (PREFILL_GRAPH_TOKENS, EngineConfig, ModelRunner, _to_device, graph_batch_sizes,
                                     prefill_graph_length, prepare_inputs)
-from nanoserve.scheduler import Scheduler, SchedulerOutput, Sequence
+from nanoserve.scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 from nanoserve.testing import hf_default_model, hf_model, save_tiny_model, tiny_model_dir
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,6 +133,30 @@ def test_penalties_and_logit_bias_equal_chapter_7_sync_async_and_preempted(tiny)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     with pytest.raises(ValueError, match="logit_bias names token 512"):
         llm.llm_engine.add_request("x", [1, 2], SamplingParams(logit_bias={512: 1.0}))
+
+
+def test_token_histories_on_the_device_equal_the_host_lists():
+    "Rows are filled once, grow, take each step's tokens, and are reused after their sequence ends."
+    from nanoserve.model_runner import TokenHistories
+    from nanoserve.sampling import TokenHistory
+    pen, plain = SamplingParams(frequency_penalty=1.0), SamplingParams()
+    seqs = [Sequence(i, list(range(i, i + 5 + 40 * i)), pen if i != 1 else plain) for i in range(4)]  # prompts up to 125 tokens
+    seqs[3].output_token_ids = [7, 8]  # recomputed after a preemption: its outputs are sent with its prompt
+    h = TokenHistories("cpu")
+    for step in range(3):
+        got = h.gather(seqs)
+        want = TokenHistory.from_lists([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], "cpu")
+        for a, b in zip(got, want):  # equal up to padding, for the penalised rows (an unpenalised row's history is unused)
+            assert [[t for t in r if t >= 0] for r, s in zip(a.tolist(), seqs) if s.params.penalized] == \
+                   [[t for t in r if t >= 0] for r, s in zip(b.tolist(), seqs) if s.params.penalized]
+        sampled = torch.tensor([100 + step] * 4)
+        h.append(sampled)
+        for s in seqs: s.output_token_ids.append(100 + step)
+    assert h.ids.shape[1] >= 128 and len(h.rows) == 3
+    seqs[0].status = SequenceStatus.FINISHED
+    newcomer = Sequence(9, [1, 2, 3], pen)
+    h.gather([newcomer])
+    assert h.rows[newcomer] == 1 and seqs[0] not in h.rows  # the finished sequence's row, reused
 
 
 def test_async_scheduling_stops_and_logprobs_equal_sync(default_llm):
