@@ -50,9 +50,28 @@ def row(B: int, device) -> dict:
             "history_rows_on_device_host_ms": host_ms(engine_step)}
 
 
+def engine_rates(model: str, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
+    "Output tokens per second of LLM.generate on random-weight requests, sampled plainly and with the three penalties."
+    from nanoserve import LLM
+    llm = LLM(model, load_format="dummy")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(num_requests)]
+    base = dict(temperature=0.8, top_p=0.95, max_tokens=output_len, ignore_eos=True)
+    rates = {}
+    for name, extra in (("plain", {}), ("penalties", dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)),
+                        ("plain_again", {})):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(**base, **extra), use_tqdm=False)
+        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+            "output_tokens_per_s": rates}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--engine", help="also time LLM.generate with and without penalties on this model config (random weights)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     res = {"benchmark": "penalty_cost", "device": torch.cuda.get_device_name(device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -60,6 +79,7 @@ def main(argv=None):
            "settings": {"vocab": VOCAB, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "dtype": "bfloat16",
                         "timer": "median of CUDA events around each sampler call (the stream's time, launch gaps included); perf_counter for the host's lists"},
            "rows": [row(B, device) for B in (1, 64, 256)]}
+    if args.engine: res["engine"] = engine_rates(args.engine)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out: args.out.write_text(text + "\n")
