@@ -154,13 +154,17 @@ def _settle(future: asyncio.Future, error: BaseException | None):
     if error is None: future.set_result(None)
     else: future.set_exception(error)
 
+def _check_room(self: AsyncLLMEngine, n: int = 1):
+    "Raise EngineOverloaded unless `n` more requests fit under max_waiting now."
+    waiting = self.stats.num_waiting + self._queued()  # in the engine's queue, and on their way to it
+    if self.max_waiting is not None and waiting + n > self.max_waiting:
+        raise EngineOverloaded(f"{waiting} requests are waiting already (limit {self.max_waiting})")
+
 async def _add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestStream:
     "Queue a request (a string or token ids); its stream once the engine has taken it. Raises ValueError, EngineOverloaded or EngineStopped."
     if not self.is_running: raise EngineStopped("the engine is not running")
-    waiting = self.stats.num_waiting + self._queued()  # in the engine's queue, and on their way to it
-    if self.max_waiting is not None and waiting >= self.max_waiting:
-        raise EngineOverloaded(f"{waiting} requests are waiting already (limit {self.max_waiting})")
+    self.check_room()
     loop = asyncio.get_running_loop()
     request_id = f"request-{next(self._ids)}" if request_id is None else str(request_id)
     stream, accepted = RequestStream(request_id, loop), loop.create_future()
@@ -195,6 +199,7 @@ async def _generate(self: AsyncLLMEngine, prompt, params: SamplingParams | None 
     async for out in self.outputs(stream): yield out
 
 AsyncLLMEngine.add_request, AsyncLLMEngine.abort, AsyncLLMEngine._send = _add_request, _abort, _send
+AsyncLLMEngine.check_room = _check_room
 AsyncLLMEngine.outputs, AsyncLLMEngine.generate = _outputs, _generate
 
 # %% ../chapters/12a_async_engine.ipynb #fcbd5606

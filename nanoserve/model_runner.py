@@ -314,7 +314,8 @@ class TokenHistories:
         for r in set(rows) - {0}: self.lens[r] += 1
         meta = to_device(torch.tensor([rows, [self.prompt_lens.get(r, 0) for r in rows], cols]), self.device)  # one copy
         self.pending = (meta[0], meta[2])
-        ids = self.ids[meta[0]].long()  # (B, W)
+        width = -(-(max(cols) + 1) // 64) * 64  # the batch's own longest row, not the longest ever seen
+        ids = self.ids[meta[0], :width].long()  # (B, width)
         in_prompt = torch.arange(ids.shape[1], device=self.device) < meta[1][:, None]
         return TokenHistory(torch.where(in_prompt, ids, -1), torch.where(in_prompt, -1, ids))
 
@@ -358,7 +359,8 @@ def _profile_peak_bytes(self: ModelRunner) -> int:
     ids = torch.zeros(T, dtype=torch.long, device=self.device)
     hidden = self.model.model(ids, torch.arange(T, device=self.device) % self.max_model_len)  # (T, E)
     logits = self.model.lm_head(hidden[:B])
-    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * B)
+    history = TokenHistory.from_lists([[0]] * B, [[0]] * B, self.device)  # penalties add (B, V) counts to the sampler's work
+    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logit_bias={0: 1.0})] * B, history=history)
     torch.cuda.synchronize(self.device)
     return torch.cuda.max_memory_allocated(self.device)
 

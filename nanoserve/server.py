@@ -198,10 +198,10 @@ async def tagged(outputs: list):
                 except StopAsyncIteration: continue  # choice i has ended
                 yield i, out
                 pending[asyncio.ensure_future(anext(outputs[i]))] = i
-    finally:  # ended early (a failed choice, a client gone): stop the reads in flight, then close every choice's outputs
-        for read in pending: read.cancel()
+    finally:  # ended early (a failed choice, a client gone): stop the reads in flight, then close every choice's outputs.
+        for read in pending: read.cancel()  # Should these awaits be cancelled too, EventStream's on_close still aborts them all
         await asyncio.gather(*pending, return_exceptions=True)
-        for o in outputs: await o.aclose()  # AsyncLLMEngine.outputs aborts a request that has not finished
+        for o in outputs: await o.aclose()
 
 async def completion_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, n: int = 1):
     "The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order)."
@@ -350,16 +350,22 @@ class OpenAIServer:
         budgets = [token_budget(max_tokens, len(ids), self.max_model_len, param, prompt_param, self.kv_capacity) for ids in prompts]
         if req.stop and self.tokenizer is None:
             raise InvalidRequest("This model has no tokenizer, so stop strings cannot be matched: use stop_token_ids.", "stop")
-        choices, limit = len(prompts) * req.n, self.engine.max_waiting
+        choices, limit, engine = len(prompts) * req.n, self.engine.max_waiting, self.engine
         if limit is not None and choices > limit:  # it could never be queued whole
             raise InvalidRequest(f"This request asks for {choices} choices ({len(prompts)} prompts x n={req.n}), but this "
                                  f"server queues at most {limit} requests.", "n" if req.n > 1 else prompt_param)
+        engine.check_room(choices)  # a 503 before any of them is sent, rather than some sent, then aborted
         params = [(ids, sampling_params(req, budget, j)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
-        added = await asyncio.gather(*(self.engine.add_request(ids, p) for ids, p in params), return_exceptions=True)
-        refused = next((r for r in added if isinstance(r, BaseException)), None)
-        if refused is None: return added
-        for stream in added:
-            if not isinstance(stream, BaseException): self.engine.abort(stream.request_id)
+        adds = [asyncio.ensure_future(engine.add_request(ids, p)) for ids, p in params]
+        try: await asyncio.wait(adds)
+        finally:  # refused, or cancelled meanwhile: abort what the engine took
+            taken = [a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None]
+            refused = next((a for a in adds if not a.done() or a.cancelled() or a.exception() is not None), None)
+            if refused is not None:
+                for a in adds: a.cancel()
+                for stream in taken: engine.abort(stream.request_id)
+        if refused is None: return taken
+        refused = refused.exception()
         if isinstance(refused, ValueError):  # the engine's checks against the model: its message starts with the field's name
             raise InvalidRequest(str(refused), next((f for f in ENGINE_CHECKED if str(refused).startswith(f)), prompt_param)) from None
         raise refused

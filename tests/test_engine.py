@@ -17,6 +17,11 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+class NoText:  # chapter 7's generate wants a tokenizer; the tiny models have none
+    stop_token_ids = frozenset()
+    def decode(self, ids, skip_special_tokens=False): return ""
+
+
 def random_prompts(lengths=(3, 17, 40, 9, 64, 1, 33), vocab=512, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -114,16 +119,13 @@ def test_async_scheduling_changes_nothing(tiny):
 def test_penalties_and_logit_bias_equal_chapter_7_sync_async_and_preempted(tiny):
     "The engine's token history (the host's lists; one step ahead, the newest token from the device) gives chapter 7's tokens."
     from nanoserve.generate import generate
-    class NoText:  # the tiny models have no tokenizer
-        stop_token_ids = frozenset()
-        def decode(self, ids, skip_special_tokens=False): return ""
     arch, d = tiny
     prompts = random_prompts()[:4]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=1.5),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0, repetition_penalty=1.5),
               SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True, frequency_penalty=-1.0, logit_bias={5: 3.0}),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={7: 100})]
-    model = load_model(d)
+    model = load_model(d, device="cpu")  # where the engines below run, also on a machine with a GPU
     ref = [generate(model, NoText(), p, sp).token_ids for p, sp in zip(prompts, params)]
     plain = generate(model, NoText(), prompts[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)).token_ids
     assert len(set(ref[0])) > len(set(plain)) and ref[3] == [7] * 30  # the penalty spreads the tokens; +100 forces one
@@ -567,12 +569,14 @@ def test_gpu_penalties_one_step_ahead_in_cuda_graphs_equal_sync():
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5),
               SamplingParams(temperature=0.9, seed=4, max_tokens=40, ignore_eos=True, presence_penalty=1.0, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={9: 100})]
-    outs = {}
+    from nanoserve.generate import generate
+    model = load_model(d, dtype=torch.float32, device="cuda")
+    ref = [generate(model, NoText(), p, sp).token_ids for p, sp in zip(random_prompts()[:3], params)]  # chapter 7, the host's lists
     for overlap in (False, True):
         llm = LLM(d, dtype="float32", max_num_seqs=8, num_kv_blocks=256, async_scheduling=overlap)
         assert llm.llm_engine.runner.graphs and llm.llm_engine.async_scheduling == overlap
-        outs[overlap] = [o.token_ids for o in llm.generate(random_prompts()[:3], params, use_tqdm=False)]
-    assert outs[True] == outs[False] and outs[True][2] == [9] * 40
+        assert [o.token_ids for o in llm.generate(random_prompts()[:3], params, use_tqdm=False)] == ref, overlap
+    assert ref[2] == [9] * 40
 
 
 def test_streamed_outputs_are_snapshots(default_llm):

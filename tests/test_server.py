@@ -240,10 +240,12 @@ def test_n_chat_choices_plain_and_streamed(client):
 
 def test_a_refused_choice_leaves_none_of_its_request_queued(url):
     "One prompt of a list refused by the engine (a token id outside the vocabulary): a 400, and nothing of it runs."
+    aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
     r = httpx.post(f"{url}{C}", json={"model": MODEL, "prompt": [[1, 2, 3]] * 5 + [[1, 10**6]], "n": 4,
                                       "max_tokens": 300, "ignore_eos": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert wait_until_idle(url, timeout=2) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+    assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 20  # the 20 it took, aborted
 
 
 def test_penalties_and_logit_bias_equal_llm_generate(client, reference):
@@ -468,7 +470,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (C, {"prompt": "hi", "n": 0}, 400, "n"),
     (C, {"prompt": "hi", "n": 129}, 400, "n"),
-    (C, {"prompt": ["hi"] * 17, "n": 128}, 400, "n"),  # 2176 choices: more than the server queues (2048)
+    (C, {"prompt": ["hi"] * 17, "n": 128}, 400, "prompt"),  # 2176 choices: more than one request may have (2048)
     (C, {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
     (C, {"prompt": [[1, 2], []]}, 400, "prompt"),
@@ -477,6 +479,10 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"1": 1, "01": 2}}, 400, "logit_bias"),  # one token, twice
+    (C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"1": "1"}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"1": True}}, 400, "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # checked by the engine, against the vocabulary
     (C, {"prompt": "hi", "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
     (C, {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
