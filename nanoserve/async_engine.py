@@ -284,6 +284,7 @@ def _step(self: AsyncLLMEngine):
 
 def _fail_batch(self: AsyncLLMEngine, error: RequestFailed):
     "After a failed step: abort the running requests with `error`, and end the streams of any that the step finished."
+    self.engine.reset_prefix_cache()  # blocks named for a step that may not have run (chapter 10b) could hold anything
     for seq in list(self.engine.scheduler.running):
         try: self._abort_now(seq.seq_id, error)
         except Exception: log.exception("aborting %s after a failed step failed too", seq.seq_id)

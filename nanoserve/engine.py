@@ -196,7 +196,10 @@ def _step(self: LLMEngine) -> list:
         for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
         running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
         sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
-        launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
+        try: launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
+        except BaseException:  # the step never ran: the blocks its prompts were to fill (named when scheduled, 10b) hold nothing
+            self.reset_prefix_cache()
+            raise
     t2 = time.perf_counter()
     self.step_seconds["schedule"] += t1 - t0
     self.step_seconds["prepare_and_launch"] += t2 - t1

@@ -89,10 +89,10 @@ class PrefixCachingBlockManager(BlockManager):
             shared.append(block)
         return shared
 
-    def cache_full_blocks(self, seq: Sequence):
-        "Name the full blocks of `seq` whose keys and values are computed, so that later sequences may share them."
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None):
+        "Name the full blocks of `seq`'s first `num_tokens` positions (default: those computed), so that later sequences may share them."
         table, start = self._table(seq.seq_id), self.num_named[seq.seq_id]
-        done = seq.num_computed_tokens // self.block_size
+        done = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if done <= start: return
         hashes = block_hashes(seq, done, self.block_size)
         for i in range(start, done):
@@ -108,13 +108,17 @@ class PrefixCachingBlockManager(BlockManager):
 
 # %% ../chapters/10b_prefix_cache.ipynb #cab373aa
 class PrefixCachingScheduler(Scheduler):
-    "Chapter 10's scheduler over a PrefixCachingBlockManager: admission shares a prompt's cached prefix, and each step names the blocks it filled."
+    "Chapter 10's scheduler over a PrefixCachingBlockManager: admission shares a prompt's cached prefix; the blocks a step fills get names."
     def __init__(self, config, blocks: PrefixCachingBlockManager, **options):
         if not isinstance(blocks, PrefixCachingBlockManager):
             raise ValueError(f"PrefixCachingScheduler needs a PrefixCachingBlockManager, got {type(blocks).__name__}")
         super().__init__(config, blocks, **options)
 
     def _cached_prefix(self, seq: Sequence) -> list: return self.blocks.match(seq)
+
+    def _will_compute(self, seq: Sequence, end: int):
+        "Name the full blocks this step completes as it is scheduled: a sequence admitted after `seq` in this same step shares them."
+        self.blocks.cache_full_blocks(seq, end)
 
     def update(self, out: SchedulerOutput, token_ids: list):
         super().update(out, token_ids)

@@ -160,6 +160,7 @@ def _schedule_prefill(self: Scheduler, budget: int | None = None) -> SchedulerOu
         seq, done = self.prefilling
         n = min(seq.num_tokens - done, budget)
         seqs.append(seq); counts.append(n); budget -= n
+        self._will_compute(seq, done + n)
         self.prefilling = (seq, done + n) if done + n < seq.num_tokens else None
         if self.prefilling: partial[seq] = done + n
     while self.waiting and not self.prefilling and budget and len(self.running) < cfg.max_num_seqs:
@@ -178,6 +179,7 @@ def _schedule_prefill(self: Scheduler, budget: int | None = None) -> SchedulerOu
         if not seq.num_preemptions: seq.num_cached_tokens = done
         self.running.append(seq)  # at once: should a later allocation raise, what came before is consistent
         seqs.append(seq); counts.append(new); budget -= new
+        self._will_compute(seq, done + new)
         if done + new < n: self.prefilling, partial[seq] = (seq, done + new), done + new
     return SchedulerOutput(seqs, counts, True, partial=partial) if seqs else None
 
@@ -185,7 +187,10 @@ def _cached_prefix(self: Scheduler, seq: Sequence) -> list:
     "Full blocks that hold the first tokens of `seq` already, to share rather than compute again: none here (chapter 10b)."
     return []
 
-Scheduler._schedule_prefill, Scheduler._cached_prefix = _schedule_prefill, _cached_prefix
+def _will_compute(self: Scheduler, seq: Sequence, end: int):
+    "This step computes the keys and values of `seq` up to position `end`: nothing to do here (chapter 10b names its blocks)."
+
+Scheduler._schedule_prefill, Scheduler._cached_prefix, Scheduler._will_compute = _schedule_prefill, _cached_prefix, _will_compute
 
 # %% ../chapters/10_scheduler.ipynb #28942eb8
 def _preempt(self: Scheduler, seq: Sequence):

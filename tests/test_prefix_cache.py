@@ -217,6 +217,31 @@ def test_admission_computes_only_what_the_cache_lacks():
     assert [s.num_cached_tokens for s in seqs] == [0, 32, 32] and sched.blocks.num_free_blocks == 16
 
 
+def test_sequences_admitted_in_one_step_share_the_blocks_it_computes():
+    "Blocks are named as their step is scheduled: the step stores every layer's keys and values before any query attends."
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256, max_model_len=64)
+    sched = PrefixCachingScheduler(cfg, PrefixCachingBlockManager(16, 16))
+    seqs = [Sequence(i, list(range(40)) + [100 + i] * 5, SamplingParams(max_tokens=2)) for i in range(3)]
+    for s in seqs: sched.add(s)
+    steps = drive(sched)
+    assert steps[0][:2] == (True, [45, 13, 13])  # one step: the first computes all, the others what the first leaves
+    assert [s.num_cached_tokens for s in seqs] == [0, 32, 32] and sched.blocks.num_free_blocks == 16
+
+
+def test_a_failed_step_forgets_the_names_it_gave():
+    "A step whose launch raises never wrote the blocks that were named for it when it was scheduled."
+    llm = LLM(tiny_model_dir("llama"), device="cpu", num_kv_blocks=32, async_scheduling=False)
+    engine = llm.llm_engine
+    engine.add_request("a", list(range(40)), SamplingParams(max_tokens=2))
+    def broken(*args, **kwargs): raise RuntimeError("injected launch failure")
+    engine.runner.launch = broken
+    with pytest.raises(RuntimeError, match="injected"): engine.step()
+    del engine.runner.launch
+    assert not engine.scheduler.blocks.cached  # no name left on a block that holds nothing
+    follow = Sequence("b", list(range(40)))
+    assert engine.scheduler.blocks.match(follow) == []
+
+
 def test_decode_blocks_are_named_when_they_fill():
     sched = PrefixCachingScheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64),
                                    PrefixCachingBlockManager(16, 4))
