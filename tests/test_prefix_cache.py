@@ -305,6 +305,16 @@ def test_engine_outputs_equal_with_and_without_prefix_caching(arch):
         assert llm.reset_prefix_cache() and llm.generate(prompts[:1], params[0], use_tqdm=False)[0].num_cached_tokens == 0
 
 
+def test_identical_prompts_in_one_batch_compute_the_prompt_once():
+    "The n choices of a request are identical prompts added together: the first computes, the rest share its full blocks."
+    d, prompt = tiny_model_dir("llama"), shared_start_prompts()[0][:40]
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in range(4)]
+    outs = LLM(d, device="cpu", num_kv_blocks=64).generate([prompt] * 4, params, use_tqdm=False)
+    ref = LLM(d, device="cpu", num_kv_blocks=64, enable_prefix_caching=False).generate([prompt] * 4, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]  # (40 - 1) // 16 whole blocks
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
 def test_engine_option_and_reset_without_a_cache():
     d = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="enable_prefix_caching"): LLM(d, device="cpu", enable_prefix_caching="yes")
