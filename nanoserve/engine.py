@@ -188,18 +188,19 @@ def _fail(self: LLMEngine, req: Request, error: Exception):
 def _step(self: LLMEngine) -> list:
     "Run one step of the engine; returns the RequestOutput of every streaming request in the step, and of every finished one."
     t0 = time.perf_counter()
-    out = self.scheduler.schedule()
-    t1 = now = time.monotonic()
-    launched = None
-    if out.seqs:
-        reqs = [self.requests[s.seq_id] for s in out.seqs]
-        for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
-        running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
-        sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
-        try: launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
-        except BaseException:  # the step never ran: the blocks its prompts were to fill (named when scheduled, 10b) hold nothing
-            self.reset_prefix_cache()
-            raise
+    try:
+        out = self.scheduler.schedule()
+        t1 = now = time.monotonic()
+        launched = None
+        if out.seqs:
+            reqs = [self.requests[s.seq_id] for s in out.seqs]
+            for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
+            sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
+            launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
+    except BaseException:  # the step never ran: blocks named for it as it was scheduled (chapter 10b) hold nothing
+        self.reset_prefix_cache()
+        raise
     t2 = time.perf_counter()
     self.step_seconds["schedule"] += t1 - t0
     self.step_seconds["prepare_and_launch"] += t2 - t1

@@ -421,7 +421,7 @@ class TritonPagedAttention(PagedAttention):
     def __getitem__(self, layer: int):
         m, k_cache, v_cache = self.metadata, self.cache.k[layer], self.cache.v[layer]
         def attend(q, k, v, scale):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
-            store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, m.slot_mapping)  # every token first, as chapter 8b's seam does (10b relies on it)
             if len(q) == len(m.context_lens):  # one new token per sequence: decode
                 return paged_decode_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, scale)
             return paged_prefill_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale,

@@ -196,6 +196,8 @@ class PagedAttention:
     def __getitem__(self, layer: int):
         m, k_cache, v_cache = self.metadata, self.cache.k[layer], self.cache.v[layer]
         def attend(q, k, v, scale):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
+            # all T tokens are stored before any query attends: a sequence may read blocks that another one of the
+            # same step fills (chapter 10b names a step's blocks as it is scheduled)
             store_kv_ref(k, v, k_cache, v_cache, m.slot_mapping)
             return paged_attention_ref(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale)
         return attend

@@ -147,12 +147,15 @@ def test_chunks_of_a_preempted_sequence_cover_its_outputs():
 def test_chunks_name_their_blocks_for_the_prefix_cache():
     s = PrefixCachingScheduler(chunked(20), PrefixCachingBlockManager(16, 8))
     s.add(Sequence("a", list(range(50)), SamplingParams(max_tokens=4)))
-    record(s, s.schedule())  # the first 20 tokens: two full blocks of 8 are named once the chunk is recorded
+    first = s.schedule()  # the first 20 tokens: their two full blocks of 8 are named as the chunk is scheduled, no more
+    assert len(s.blocks.cached) == 20 // 8
+    record(s, first)
     follow = Sequence("b", list(range(17)) + [9999], SamplingParams(max_tokens=1))
     assert len(s.blocks.match(follow)) == 2
     s.add(follow)
     second = s.schedule()
     assert rows(second) == [("a", 20, 40)]  # the whole budget goes on with a
+    assert len(s.blocks.cached) == 40 // 8  # the continued chunk names the blocks it completes, not the prompt's rest
     record(s, second)
     third = s.schedule()
     assert rows(third) == [("a", 10, None), ("b", 2, None)] and follow.num_cached_tokens == 16  # b on top of a's blocks

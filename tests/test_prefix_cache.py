@@ -228,15 +228,24 @@ def test_sequences_admitted_in_one_step_share_the_blocks_it_computes():
     assert [s.num_cached_tokens for s in seqs] == [0, 32, 32] and sched.blocks.num_free_blocks == 16
 
 
-def test_a_failed_step_forgets_the_names_it_gave():
+@pytest.mark.parametrize("where", ["launch", "admission"])
+def test_a_failed_step_forgets_the_names_it_gave(where):
     "A step whose launch raises never wrote the blocks that were named for it when it was scheduled."
     llm = LLM(tiny_model_dir("llama"), device="cpu", num_kv_blocks=32, async_scheduling=False)
     engine = llm.llm_engine
     engine.add_request("a", list(range(40)), SamplingParams(max_tokens=2))
-    def broken(*args, **kwargs): raise RuntimeError("injected launch failure")
-    engine.runner.launch = broken
+    engine.add_request("b", list(range(40)) + [7], SamplingParams(max_tokens=2))
+    def broken(*args, **kwargs): raise RuntimeError("injected failure")
+    if where == "launch": engine.runner.launch = broken
+    else:  # the second admission's lookup raises, after the first admission has named its blocks
+        calls, match = [], engine.scheduler.blocks.match
+        def failing_match(seq):
+            calls.append(seq)
+            if len(calls) == 2: raise RuntimeError("injected failure")
+            return match(seq)
+        engine.scheduler.blocks.match = failing_match
     with pytest.raises(RuntimeError, match="injected"): engine.step()
-    del engine.runner.launch
+    engine.runner.__dict__.pop("launch", None); engine.scheduler.blocks.__dict__.pop("match", None)
     assert not engine.scheduler.blocks.cached  # no name left on a block that holds nothing
     follow = Sequence("b", list(range(40)))
     assert engine.scheduler.blocks.match(follow) == []
@@ -308,11 +317,13 @@ def test_engine_outputs_equal_with_and_without_prefix_caching(arch):
 def test_identical_prompts_in_one_batch_compute_the_prompt_once():
     "The n choices of a request are identical prompts added together: the first computes, the rest share its full blocks."
     d, prompt = tiny_model_dir("llama"), shared_start_prompts()[0][:40]
-    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)  # greedy: any wrong key shows
     outs = LLM(d, device="cpu", num_kv_blocks=64).generate([prompt] * 4, params, use_tqdm=False)
     ref = LLM(d, device="cpu", num_kv_blocks=64, enable_prefix_caching=False).generate([prompt] * 4, params, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]  # (40 - 1) // 16 whole blocks
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for o, r in zip(outs, ref):
+        assert [l.logprob for l in o.logprobs] == pytest.approx([l.logprob for l in r.logprobs], abs=1e-5)
 
 
 def test_engine_option_and_reset_without_a_cache():
