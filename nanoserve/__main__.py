@@ -41,7 +41,7 @@ def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty)
+                          repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
 
 def run_generate(args) -> int:
     "Stream one completion to stdout."
@@ -70,6 +70,7 @@ def add_generate_parser(sub):
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: against tokens the output holds already")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: against each repetition of a token")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's, on prompt and output tokens; 1 disables")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence or stop before this many new tokens")
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")

@@ -17,7 +17,7 @@ from .generate import prompt_token_ids
 from .loader import load_model, resolve_model
 from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
-from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator
+from .sampling import SamplerOutput, SamplingParams, check_stop, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer
 
@@ -197,7 +197,9 @@ def _step(self: LLMEngine) -> list:
             for req in reqs: req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
             running = self._running[0] if self._running else None  # its tokens feed this step straight on the GPU
             sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
-            launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running), sampled_reqs)
+            banned = [stop_tokens(s.params, self.eos_token_ids, s.num_output_tokens + s.num_in_flight - 1)  # tokens so far,
+                      for s in out.sampled_seqs] if any(s.params.min_tokens for s in out.sampled_seqs) else None  # in flight too
+            launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running, banned), sampled_reqs)
     except BaseException:  # the step never ran: blocks named for it as it was scheduled (chapter 10b) hold nothing
         self.reset_prefix_cache()
         raise

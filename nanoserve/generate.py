@@ -14,7 +14,7 @@ import torch
 
 from .attention import causal_attention
 from .model import CausalLM, ModelConfig
-from .sampling import SamplingParams, TokenHistory, check_stop, make_generator, sample
+from .sampling import SamplingParams, TokenHistory, check_stop, make_generator, sample, stop_tokens
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% ../chapters/07_kv_cache.ipynb #7fc5b449
@@ -126,7 +126,8 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     logits = forward_cached(model, torch.tensor(prompt_ids, device=weight.device), cache)[-1:]  # prefill
     while True:
         history = TokenHistory.from_lists([prompt_ids], [out], weight.device) if params.penalized else None
-        token = sample(logits, [params], [generator], history).token_ids.item()
+        banned = [stop_tokens(params, tokenizer.stop_token_ids, len(out))] if params.min_tokens else None
+        token = sample(logits, [params], [generator], history, banned).token_ids.item()
         if not out: ttft = time.perf_counter() - start
         out.append(token)
         piece = detok.step(token)

@@ -57,6 +57,7 @@ class SamplingRequest(OpenAIModel):
     stop: str | Items[str] | None = None
     stop_token_ids: Items[StrictInt] | None = Field(None, max_length=MAX_STOPS)  # vLLM
     ignore_eos: StrictBool = False                              # vLLM: keep going past the end-of-sequence token
+    min_tokens: StrictInt | None = Field(None, ge=0)            # vLLM: no stop before this many tokens
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)  # choices: samples of each prompt, each its own engine request
@@ -217,7 +218,8 @@ def choice_seed(seed: int, choice: int) -> int:
 def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0) -> SamplingParams:
     "The SamplingParams of one choice (0 to n - 1) of a request: its fields, or the engine's defaults where it left them out."
     given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                   "frequency_penalty", "repetition_penalty", "logit_bias") if getattr(req, name) is not None}
+                                                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+             if getattr(req, name) is not None}
     if req.seed is not None: given["seed"] = choice_seed(req.seed, choice)
     top = req.logprobs if isinstance(req, CompletionRequest) else (req.top_logprobs or 0) if req.logprobs else None
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'GREEDY_BELOW', 'FLOAT32_MAX', 'greedy_naive', 'filter_logits', 'SamplingParams',
            'argmax_rows', 'make_generator', 'exponential_race', 'to_device', 'TokenHistory', 'token_counts',
-           'apply_penalties', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'with_logprobs', 'sample',
-           'find_stop', 'StopCheck', 'check_stop']
+           'apply_penalties', 'stop_tokens', 'ban_tokens', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput',
+           'with_logprobs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -66,6 +66,7 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]", float),
     "seed": (lambda v: v is None or (_int(v) and -2**63 <= v < 2**64), "an integer in [-2**63, 2**64), or None", _or_none(int)),
     "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1", int),
+    "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0", int),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
                  _or_none(int)),
@@ -117,6 +118,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # ... and this times the number of times it holds it
     repetition_penalty: float = 1.0 # divide the positive logits, multiply the negative ones, of tokens in the prompt or output
     logit_bias: tuple = ()      # (token id, bias) pairs added to the logits; give a dict {token id: bias}
+    min_tokens: int = 0         # no end-of-sequence token, stop token or stop string before this many new tokens
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -127,6 +129,10 @@ class SamplingParams:
         elif name == "stop": value = _stop_strings(value)
         elif name == "stop_token_ids": value = _token_ids(value)
         elif name == "logit_bias": value = _logit_bias(value)
+        if name == "min_tokens" and value > self.max_tokens:  # max_tokens comes first, also in dataclasses.replace
+            raise ValueError(f"min_tokens={value}: expected at most max_tokens={self.max_tokens}")
+        if name == "max_tokens" and value < getattr(self, "min_tokens", 0):  # a later assignment
+            raise ValueError(f"max_tokens={value}: expected at least min_tokens={self.min_tokens}")
         object.__setattr__(self, name, value)
 
     @property
@@ -192,6 +198,18 @@ def apply_penalties(logits: torch.Tensor, history: TokenHistory, presence: torch
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
+def stop_tokens(params: SamplingParams, eos_token_ids, num_generated: int) -> tuple:
+    "The tokens a row must not draw now: its stop tokens (EOS too, unless ignored) while it has fewer than min_tokens new tokens."
+    if num_generated >= params.min_tokens: return ()
+    return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids))
+
+def ban_tokens(logits: torch.Tensor, banned: list) -> torch.Tensor:
+    "Logits (B, V) with each row's `banned` token ids (a tuple per row) set to -inf, in place."
+    pairs = [(row, t) for row, ids in enumerate(banned) for t in ids if t < logits.shape[-1]]
+    if not pairs: return logits
+    where = to_device(torch.tensor(pairs).T.contiguous(), logits.device)
+    return logits.index_put_((where[0], where[1]), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+
 @lru_cache(maxsize=4096)
 def _bias_array(logit_bias: tuple) -> np.ndarray:
     "A request's logit_bias pairs as a (2, n) float32 array of ids and biases, made once per distinct bias, not every step."
@@ -247,18 +265,23 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
 @torch.no_grad()
-def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
+           banned: list | None = None) -> SamplerOutput:  # banned: a tuple of token ids per row (stop_tokens), or None
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
     if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
     if generators is not None and len(generators) != len(logits):
         raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
+    if banned is not None and len(banned) != len(logits): raise ValueError(f"got {len(banned)} banned-token tuples for {len(logits)} rows")
     penalized, biased = any(p.penalized for p in params), any(p.logit_bias for p in params)
     if penalized and (history is None or len(history.prompt) != len(logits) or len(history.output) != len(logits)):
         raise ValueError("penalties need the tokens each row has seen: pass a TokenHistory with one row per row of logits")
     t = SamplingTensors.from_params(params, logits.shape[-1], logits.device) if penalized or not all(p.greedy for p in params) else None
-    edited = logits  # the logits that decide: the raw ones, or a float32 copy with the bias and the penalties
-    if biased: edited = apply_logit_bias(logits.to(torch.float32, copy=True), params)  # a copy: the raw logits give the logprobs
+    banning = banned is not None and any(banned)
+    edited = logits  # the logits that decide: the raw ones, or a float32 copy with the bias, bans and penalties
+    if biased or banning: edited = logits.to(torch.float32, copy=True)  # a copy: the raw logits give the logprobs
+    if biased: apply_logit_bias(edited, params)
+    if banning: ban_tokens(edited, banned)
     if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
@@ -286,6 +309,7 @@ def check_stop(token_id: int, text: str, num_generated: int, params: SamplingPar
     "Decide, after the new `token_id`, whether generation is finished; a stop beats the length limit."
     # text: the output decoded so far (special tokens skipped), including this token's text
     # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check
+    if num_generated < params.min_tokens: return StopCheck(False, None, text)  # vLLM's min_tokens: not yet, whatever came
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids
     if (token_id in eos and not params.ignore_eos) or token_id in params.stop_token_ids:
         return StopCheck(True, "stop", text)

@@ -161,6 +161,22 @@ def test_token_histories_on_the_device_equal_the_host_lists():
     assert h.rows[newcomer] == 1 and seqs[0] not in h.rows  # the finished sequence's row, reused
 
 
+def test_min_tokens_holds_back_the_end_in_the_engine_and_in_chapter_7(default_llm):
+    "SmolLM2 answers the France question in 8 tokens; with min_tokens=20 it may not stop before 20, in every loop alike."
+    from nanoserve.generate import generate
+    from nanoserve.tokenizer import load_tokenizer
+    tok = default_llm.get_tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=True)
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=20)
+    free = default_llm.generate([ids], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 20
+    ahead = LLM(max_model_len=512, num_kv_blocks=128, device="cpu", async_scheduling=True)
+    outs = [llm.generate([ids], params, use_tqdm=False)[0] for llm in (default_llm, ahead)]
+    ref = generate(load_model(device="cpu", dtype=torch.float32), load_tokenizer(), ids, params)
+    assert outs[0].token_ids == outs[1].token_ids == ref.token_ids and len(ref.token_ids) >= 20
+    assert not set(ref.token_ids[:19]) & set(tok.stop_token_ids)  # no end of turn among the first 19
+
+
 def test_async_scheduling_stops_and_logprobs_equal_sync(default_llm):
     ahead = LLM(max_model_len=512, num_kv_blocks=128, device="cpu", async_scheduling=True)
     tok = ahead.get_tokenizer()

@@ -495,3 +495,24 @@ def test_penalty_params_are_normalised_and_pickle():
     assert p.logit_bias == ((3, 2.0), (9, -100.0)) and p.penalized and isinstance(p.presence_penalty, float)
     assert pickle.loads(pickle.dumps(p)) == p and dataclasses.replace(p, max_tokens=3).logit_bias == p.logit_bias
     assert not SamplingParams().penalized and not SamplingParams(logit_bias={1: 5}).penalized
+
+
+# ---------------------------------------------------------------- min_tokens
+
+from nanoserve.sampling import ban_tokens, stop_tokens
+
+
+def test_min_tokens_holds_back_every_stop_and_bans_the_stop_tokens():
+    p = SamplingParams(min_tokens=3, max_tokens=10, stop=["x"], stop_token_ids=[5])
+    assert check_stop(2, "x", 2, p, eos_token_ids={2}) == StopCheck(False, None, "x")  # EOS and a stop string, too early
+    assert check_stop(2, "x", 3, p, eos_token_ids={2}).reason == "stop"
+    assert stop_tokens(p, (2,), 2) == (5, 2) and stop_tokens(p, (2,), 3) == ()
+    assert stop_tokens(SamplingParams(min_tokens=3, ignore_eos=True), (2,), 0) == ()
+    logits = torch.zeros(2, 8); logits[:, 2] = 10.0
+    out = sample(logits, [SamplingParams(temperature=0, min_tokens=1, logprobs=1)] * 2, banned=[(2,), ()])
+    assert out.token_ids.tolist()[1] == 2 and out.token_ids.tolist()[0] != 2  # only the first row is held back
+    assert torch.allclose(out.logprobs[0], logits[0].log_softmax(-1)[out.token_ids[0]])  # the raw distribution's
+    assert ban_tokens(torch.zeros(1, 4), [(1, 99)]).tolist() == [[0.0, float("-inf"), 0.0, 0.0]]  # ids past V skipped
+    with pytest.raises(ValueError, match="min_tokens=11: expected at most max_tokens=10"): SamplingParams(min_tokens=11, max_tokens=10)
+    with pytest.raises(ValueError, match="min_tokens=3: expected at most max_tokens=2"): dataclasses.replace(p, max_tokens=2)
+    with pytest.raises(ValueError, match="max_tokens=2: expected at least min_tokens=3"): p.max_tokens = 2

@@ -323,6 +323,13 @@ def test_logprobs_of_tokens_that_hold_part_of_a_character(client, url):
         content["message"]["content"])  # the bytes rebuild the text
 
 
+def test_min_tokens_reaches_the_engine(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, extra_body={"min_tokens": 20})
+    assert r.usage.completion_tokens >= 20
+    with pytest.raises(openai.BadRequestError, match="min_tokens=31: expected at most max_tokens=30"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, extra_body={"min_tokens": 31})
+
+
 def test_ignore_eos_and_exact_usage(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say yes."}],
                                        max_completion_tokens=40, temperature=0, extra_body={"ignore_eos": True})
@@ -476,6 +483,7 @@ BAD_REQUESTS = [
     (C, {"prompt": [[1, 2], []]}, 400, "prompt"),
     (C, {"prompt": ["hi"] * 2049}, 400, "prompt"),
     (C, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     (C, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
