@@ -97,12 +97,8 @@ class BatchInputs:
 
 # %% ../chapters/11a_model_runner.ipynb #3c22abb1
 def _to_device(arr: np.ndarray, device) -> torch.Tensor:
-    "A host array on `device`; through pinned memory to a GPU, so that the copy need not wait for the work queued before it."
-    src = torch.from_numpy(arr)
-    if torch.device(device).type != "cuda": return src.to(device)
-    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-    pinned.numpy()[...] = arr  # numpy's copy, on this thread; not src.pin_memory(), whose copy wakes torch's CPU threads
-    return pinned.to(device, non_blocking=True)
+    "A host array on `device`, through pinned memory to a GPU (chapter 6b's `to_device`)."
+    return to_device(torch.from_numpy(arr), device)
 
 def block_table_array(tables: list, width: int) -> np.ndarray:
     "Block tables (lists of different lengths) as one (B, width) int32 array, padded with -1."

@@ -165,8 +165,10 @@ def exponential_race(probs: torch.Tensor, generators=None) -> torch.Tensor:
 # %% ../chapters/06b_sampling.ipynb #q6b00002
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     "A host tensor on `device`; through pinned memory to a GPU, so that the copy need not wait for the GPU's queue."
-    if torch.device(device).type == "cuda": t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    if torch.device(device).type != "cuda": return t.to(device)
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.numpy()[...] = t.numpy()  # numpy's copy, on this thread; not t.pin_memory(), whose copy wakes torch's CPU threads
+    return pinned.to(device, non_blocking=True)
 
 class TokenHistory(NamedTuple):
     "The tokens each row has seen, for the penalties: prompt and output ids as (B, L) long tensors on the logits' device, -1 padding."
