@@ -1,9 +1,10 @@
-"""Where chapter 6b's sampler spends its time with top-p over Llama 3's vocabulary: the whole call and its parts, for one
-row and for 256, on a GPU, with a torch.profiler table of each. Prints JSON (the tables as text).
+"""Where chapter 6b's sampler spends its time over Llama 3's vocabulary: the whole call and its parts, for 1, 8, 64 and 256
+rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects), on a GPU, with a torch.profiler table of
+the top-p call for 256 rows; optionally the engine's output rate with each. Prints JSON (the table as text).
 
-    python benchmarks/sampler_profile.py [--out results.json]
+    python benchmarks/sampler_profile.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
 """
-import argparse, json, statistics, sys, time
+import argparse, inspect, json, random, statistics, sys, time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,35 +26,62 @@ def wall_ms(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
+SETTINGS = {"top_p": dict(temperature=0.8, top_p=0.95), "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95)}
+
+
 def parts(B: int, device) -> dict:
     logits = torch.randn(B, VOCAB, device=device, dtype=torch.bfloat16)
-    params = [SamplingParams(temperature=0.8, top_p=0.95)] * B
-    t = SamplingTensors.from_params(params, VOCAB, device)
-    scaled = logits.float() / t.temperature[:, None]
     row = {"batch": B,
-           "sample_top_p_ms": wall_ms(lambda: sample(logits, params)),
            "sample_temperature_only_ms": wall_ms(lambda: sample(logits, [SamplingParams(temperature=0.8)] * B)),
-           "sample_greedy_ms": wall_ms(lambda: sample(logits, [SamplingParams(temperature=0)] * B)),
-           "sampling_tensors_ms": wall_ms(lambda: SamplingTensors.from_params(params, VOCAB, device)),
-           "filter_logits_ms": wall_ms(lambda: filter_logits(scaled, t.top_k, t.top_p, t.min_p)),
-           "sort_ms": wall_ms(lambda: scaled.sort(dim=-1, descending=True)),
-           "race_ms": wall_ms(lambda: exponential_race(scaled.softmax(-1)))}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10): sample(logits, params)
-        torch.cuda.synchronize()
-    row["profile_of_10_calls"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+           "sample_greedy_ms": wall_ms(lambda: sample(logits, [SamplingParams(temperature=0)] * B))}
+    selects = "max_top_k" in inspect.signature(filter_logits).parameters  # False for the code before the filter selected
+    for name, kwargs in SETTINGS.items():
+        params = [SamplingParams(**kwargs)] * B
+        t = SamplingTensors.from_params(params, VOCAB, device)
+        scaled = logits.float() / t.temperature[:, None]
+        bound = {"max_top_k": kwargs["top_k"]} if selects and "top_k" in kwargs else {}
+        row[f"sample_{name}_ms"] = wall_ms(lambda: sample(logits, params))
+        row[f"filter_logits_{name}_ms"] = wall_ms(lambda: filter_logits(scaled, t.top_k, t.top_p, t.min_p, **bound))
+    row["sampling_tensors_ms"] = wall_ms(lambda: SamplingTensors.from_params(params, VOCAB, device))
+    row["sort_ms"] = wall_ms(lambda: scaled.sort(dim=-1, descending=True))
+    row["topk_50_ms"] = wall_ms(lambda: scaled.topk(50, dim=-1))
+    row["race_ms"] = wall_ms(lambda: exponential_race(scaled.softmax(-1)))
+    if B == 256:
+        params = [SamplingParams(**SETTINGS["top_p"])] * B
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10): sample(logits, params)
+            torch.cuda.synchronize()
+        row["profile_of_10_top_p_calls"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
     return row
+
+
+def engine_rates(model: str, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
+    "Output tokens per second of LLM.generate on random-weight requests: greedy, and sampled with each of SETTINGS."
+    from nanoserve import LLM
+    llm = LLM(model, load_format="dummy")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(num_requests)]
+    rates = {}
+    for name, kwargs in [("greedy", dict(temperature=0.0))] + list(SETTINGS.items()):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(**kwargs, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
+        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+            "output_tokens_per_s": rates}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--engine", help="also time LLM.generate on this model config (random weights), greedy and with each setting")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     res = {"benchmark": "sampler_profile", "device": torch.cuda.get_device_name(device),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "settings": {"vocab": VOCAB, "dtype": "bfloat16", "timer": "median wall time of each call until the GPU is done"},
-           "rows": [parts(B, device) for B in (1, 256)]}
+           "rows": [parts(B, device) for B in (1, 8, 64, 256)]}
+    if args.engine: res["engine"] = engine_rates(args.engine)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out: args.out.write_text(text + "\n")

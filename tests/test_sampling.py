@@ -155,6 +155,63 @@ def test_top_k_larger_than_vocab_and_disabled_values():
         assert torch.isfinite(filter_logits(logits[:1], t.top_k, t.top_p, t.min_p)).all()
 
 
+def test_filters_keep_ties_together():
+    tied = torch.tensor([[3.0, 2.0, 1.0, 1.0, 1.0, 0.0]])  # three tokens tie for third place: top-k=3 keeps all of them
+    assert torch.isfinite(filter_logits(tied, torch.tensor([3]), torch.ones(1), torch.zeros(1))).sum().item() == 5
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])  # ahead of each 0.2 lies only the 0.4 (< 0.5): the nucleus keeps all three
+    assert torch.isfinite(filter_logits(probs.log(), torch.tensor([4]), torch.tensor([0.5]), torch.zeros(1))).all()
+    assert torch.isfinite(filter_logits(probs.log(), torch.tensor([4]), torch.tensor([0.3]), torch.zeros(1))).sum().item() == 1
+
+
+def test_top_k_equals_transformers_with_ties():
+    from transformers.generation.logits_process import TopKLogitsWarper
+    logits = (torch.randn(16, 500, generator=torch.Generator().manual_seed(3)) * 2).bfloat16().float()  # many ties
+    for k in (1, 5, 50, 499):
+        ref = TopKLogitsWarper(k)(None, logits.clone())
+        ours = filter_logits(logits, torch.full((16,), k), torch.ones(16), torch.zeros(16))
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)), k
+
+
+def _rows_with_ties(B=64, V=3000, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g) * torch.rand(B, 1, generator=g) * 6
+    logits[::2] = logits[::2].bfloat16().float()  # ties
+    logits[5, :500] = -math.inf  # banned tokens
+    logits[7] = 0.0  # one big tie
+    top_k = torch.randint(1, 60, (B,), generator=g)
+    top_p = torch.rand(B, generator=g); top_p[::4] = 1.0; top_p[1] = 0.0
+    min_p = torch.rand(B, generator=g) * 0.2; min_p[::2] = 0
+    return logits, top_k, top_p, min_p
+
+
+def test_selecting_top_k_equals_sorting():
+    logits, top_k, top_p, min_p = _rows_with_ties()
+    for bound in (59, 64, 1024):
+        assert torch.equal(filter_logits(logits, top_k, top_p, min_p, max_top_k=bound), filter_logits(logits, top_k, top_p, min_p))
+    ties = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 1.0]]).repeat(8, 1)  # the k-th value ties past the k values topk returns
+    args = torch.full((8,), 3), torch.full((8,), 0.8), torch.zeros(8)  # the four 3s hold 28 % of the mass: all stay
+    assert torch.equal(filter_logits(ties, *args, max_top_k=3), filter_logits(ties, *args))
+    assert torch.isfinite(filter_logits(ties, *args, max_top_k=3)).sum(-1).tolist() == [6] * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_selecting_top_k_equals_sorting_on_the_gpu():
+    logits, top_k, top_p, min_p = (t.cuda() for t in _rows_with_ties(B=256, V=32000))
+    for bound in (59, 1024):
+        assert torch.equal(filter_logits(logits, top_k, top_p, min_p, max_top_k=bound), filter_logits(logits, top_k, top_p, min_p))
+
+
+def test_sample_with_a_small_top_k_draws_what_the_sort_path_draws(monkeypatch):
+    import nanoserve.sampling as sampling
+    logits = (torch.randn(8, 2000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16().float()  # with ties
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=s) for s, (k, p, m) in
+              enumerate([(5, 1.0, 0), (50, 0.9, 0), (1, 1.0, 0), (20, 0.5, 0.1), (50, 0.95, 0), (2, 1.0, 0), (3, 0.6, 0), (40, 1.0, 0.2)])]
+    selected = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # 8 rows, every top_k <= 50: topk
+    monkeypatch.setattr(sampling, "TOP_K_BY_SELECTION", 0)  # always sort
+    assert torch.equal(selected, sample(logits, params, [make_generator(p.seed) for p in params]).token_ids)
+
+
 # ---------------------------------------------------------------- greedy rows, seeds, logprobs
 
 @settings(max_examples=60, deadline=None)
