@@ -3,6 +3,7 @@ rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects)
 the top-p call for 256 rows; optionally the engine's output rate with each. Prints JSON (the table as text).
 
     python benchmarks/sampler_profile.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
+    python benchmarks/sampler_profile.py --crossover
 """
 import argparse, inspect, json, random, statistics, sys, time
 from datetime import datetime, timezone
@@ -55,6 +56,24 @@ def parts(B: int, device) -> dict:
     return row
 
 
+def select_crossover(device) -> list:
+    "filter_logits with top-k 50 and top-p 0.95 by sorting and by selecting (topk), for 4 to 64 rows: where SELECT_FROM_ROWS comes from."
+    import triton
+    from nanoserve import sampling
+    rows, select_from = [], sampling.SELECT_FROM_ROWS
+    for B in (4, 8, 16, 24, 32, 48, 64):
+        x = torch.randn(B, VOCAB, device=device).bfloat16().float() / 0.8
+        k, p, m = torch.full((B,), 50, device=device), torch.full((B,), 0.95, device=device), torch.zeros(B, device=device)
+        row = {"B": B}
+        for name, bound in (("sort", None), ("select", 50)):
+            sampling.SELECT_FROM_ROWS = 1  # select whenever the bound allows
+            row[f"{name}_wall_ms"] = wall_ms(lambda: filter_logits(x, k, p, m, bound), reps=100)
+            row[f"{name}_gpu_ms"] = triton.testing.do_bench(lambda: filter_logits(x, k, p, m, bound), warmup=5, rep=100, return_mode="median")
+        rows.append(row)
+    sampling.SELECT_FROM_ROWS = select_from
+    return rows
+
+
 def engine_rates(model: str, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
     "Output tokens per second of LLM.generate on random-weight requests: greedy, and sampled with each of SETTINGS."
     from nanoserve import LLM
@@ -75,8 +94,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--engine", help="also time LLM.generate on this model config (random weights), greedy and with each setting")
+    p.add_argument("--crossover", action="store_true", help="only time sorting against selecting for 4 to 64 rows")
     args = p.parse_args(argv)
     device = torch.device("cuda")
+    if args.crossover:
+        print(json.dumps({"benchmark": "sampler_select_crossover", "device": torch.cuda.get_device_name(device),
+                          "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": select_crossover(device)}, indent=1))
+        return
     res = {"benchmark": "sampler_profile", "device": torch.cuda.get_device_name(device),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "settings": {"vocab": VOCAB, "dtype": "bfloat16", "timer": "median wall time of each call until the GPU is done"},

@@ -33,7 +33,7 @@ def greedy_naive(model, prompt_ids: list[int], max_new_tokens: int, stop_token_i
 
 # %% ../chapters/06b_sampling.ipynb #330997e5
 TOP_K_BY_SELECTION = 1024  # when no sampled row keeps more than this many tokens by top-k, ...
-SELECT_FROM_ROWS = 8       # ... and the batch has this many rows or more, select them (topk) instead of sorting
+SELECT_FROM_ROWS = 32      # ... and the batch has this many rows or more, select them (topk) instead of sorting (chapter 13)
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   max_top_k: int | None = None) -> torch.Tensor:

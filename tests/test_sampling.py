@@ -188,10 +188,10 @@ def test_selecting_top_k_equals_sorting():
     logits, top_k, top_p, min_p = _rows_with_ties()
     for bound in (59, 64, 1024):
         assert torch.equal(filter_logits(logits, top_k, top_p, min_p, max_top_k=bound), filter_logits(logits, top_k, top_p, min_p))
-    ties = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 1.0]]).repeat(8, 1)  # the k-th value ties past the k values topk returns
-    args = torch.full((8,), 3), torch.full((8,), 0.8), torch.zeros(8)  # the four 3s hold 28 % of the mass: all stay
+    ties = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 1.0]]).repeat(32, 1)  # the k-th value ties past the k values topk returns
+    args = torch.full((32,), 3), torch.full((32,), 0.8), torch.zeros(32)  # the four 3s hold 28 % of the mass: all stay
     assert torch.equal(filter_logits(ties, *args, max_top_k=3), filter_logits(ties, *args))
-    assert torch.isfinite(filter_logits(ties, *args, max_top_k=3)).sum(-1).tolist() == [6] * 8
+    assert torch.isfinite(filter_logits(ties, *args, max_top_k=3)).sum(-1).tolist() == [6] * 32
 
 
 @pytest.mark.gpu
@@ -204,10 +204,10 @@ def test_selecting_top_k_equals_sorting_on_the_gpu():
 
 def test_sample_with_a_small_top_k_draws_what_the_sort_path_draws(monkeypatch):
     import nanoserve.sampling as sampling
-    logits = (torch.randn(8, 2000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16().float()  # with ties
+    logits = (torch.randn(32, 2000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16().float()  # with ties
     params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=s) for s, (k, p, m) in
-              enumerate([(5, 1.0, 0), (50, 0.9, 0), (1, 1.0, 0), (20, 0.5, 0.1), (50, 0.95, 0), (2, 1.0, 0), (3, 0.6, 0), (40, 1.0, 0.2)])]
-    selected = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # 8 rows, every top_k <= 50: topk
+              enumerate([(5, 1.0, 0), (50, 0.9, 0), (1, 1.0, 0), (20, 0.5, 0.1), (50, 0.95, 0), (2, 1.0, 0), (3, 0.6, 0), (40, 1.0, 0.2)] * 4)]
+    selected = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # 32 rows, every top_k <= 50: topk
     monkeypatch.setattr(sampling, "TOP_K_BY_SELECTION", 0)  # always sort
     assert torch.equal(selected, sample(logits, params, [make_generator(p.seed) for p in params]).token_ids)
 
