@@ -194,6 +194,20 @@ def test_selecting_top_k_equals_sorting():
     assert torch.isfinite(filter_logits(ties, *args, max_top_k=3)).sum(-1).tolist() == [6] * 32
 
 
+def test_sorting_bfloat16_logits_draws_what_sorting_their_float32_copy_draws():
+    logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()  # ties too
+    params = [SamplingParams(temperature=t, top_p=p, min_p=m, seed=s)
+              for s, (t, p, m) in enumerate([(0.7, 0.9, 0), (1.3, 0.5, 0), (1.0, 0.95, 0.05), (0.5, 0.3, 0), (2.0, 0.99, 0), (0.9, 0.8, 0.2)])]
+    bf16 = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # sorts the bfloat16 rows
+    fp32 = sample(logits.float(), params, [make_generator(p.seed) for p in params]).token_ids  # sorts the scaled float32 rows
+    assert torch.equal(bf16, fp32)
+    t = SamplingTensors.from_params(params, 3000, "cpu")
+    scaled = logits.float() / t.temperature[:, None]
+    presorted = logits.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
+    assert torch.equal(filter_logits(scaled, t.top_k, t.top_p, t.min_p, sorted_logits=presorted),
+                       filter_logits(scaled, t.top_k, t.top_p, t.min_p))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_selecting_top_k_equals_sorting_on_the_gpu():
