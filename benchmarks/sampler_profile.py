@@ -57,20 +57,21 @@ def parts(B: int, device) -> dict:
 
 
 def select_crossover(device) -> list:
-    "filter_logits with top-k 50 and top-p 0.95 by sorting and by selecting (topk), for 4 to 64 rows: where SELECT_FROM_ROWS comes from."
+    "sample() on bfloat16 logits with top-k (50 or 1024) and top-p 0.95, selecting (topk) and sorting, for 4 to 256 rows: where SELECT_FROM_ROWS comes from."
     import triton
     from nanoserve import sampling
-    rows, select_from = [], sampling.SELECT_FROM_ROWS
-    for B in (4, 8, 16, 24, 32, 48, 64):
-        x = torch.randn(B, VOCAB, device=device).bfloat16().float() / 0.8
-        k, p, m = torch.full((B,), 50, device=device), torch.full((B,), 0.95, device=device), torch.zeros(B, device=device)
-        row = {"B": B}
-        for name, bound in (("sort", None), ("select", 50)):
-            sampling.SELECT_FROM_ROWS = 1  # select whenever the bound allows
-            row[f"{name}_wall_ms"] = wall_ms(lambda: filter_logits(x, k, p, m, bound), reps=100)
-            row[f"{name}_gpu_ms"] = triton.testing.do_bench(lambda: filter_logits(x, k, p, m, bound), warmup=5, rep=100, return_mode="median")
-        rows.append(row)
-    sampling.SELECT_FROM_ROWS = select_from
+    rows, saved = [], (sampling.SELECT_FROM_ROWS, sampling.TOP_K_BY_SELECTION)
+    for k in (50, 1024):
+        for B in (4, 8, 16, 24, 32, 48, 64, 128, 256):
+            logits = torch.randn(B, VOCAB, device=device, dtype=torch.bfloat16)
+            params = [SamplingParams(temperature=0.8, top_k=k, top_p=0.95)] * B
+            row = {"top_k": k, "B": B}
+            for name, select_from, bound in (("select", 1, saved[1]), ("sort", saved[0], 0)):
+                sampling.SELECT_FROM_ROWS, sampling.TOP_K_BY_SELECTION = select_from, bound
+                row[f"{name}_wall_ms"] = wall_ms(lambda: sample(logits, params), reps=100)
+                row[f"{name}_gpu_ms"] = triton.testing.do_bench(lambda: sample(logits, params), warmup=5, rep=100, return_mode="median")
+            rows.append(row)
+    sampling.SELECT_FROM_ROWS, sampling.TOP_K_BY_SELECTION = saved
     return rows
 
 
@@ -94,7 +95,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--engine", help="also time LLM.generate on this model config (random weights), greedy and with each setting")
-    p.add_argument("--crossover", action="store_true", help="only time sorting against selecting for 4 to 64 rows")
+    p.add_argument("--crossover", action="store_true", help="only time sample() selecting against sorting, for 4 to 256 rows")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     if args.crossover:

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'GREEDY_BELOW', 'FLOAT32_MAX',
-           'greedy_naive', 'candidates', 'filter_logits', 'SamplingParams', 'argmax_rows', 'make_generator',
+           'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'argmax_rows', 'make_generator',
            'exponential_race', 'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens',
            'ban_tokens', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'with_logprobs', 'sample', 'find_stop',
            'StopCheck', 'check_stop']
@@ -35,20 +35,19 @@ def greedy_naive(model, prompt_ids: list[int], max_new_tokens: int, stop_token_i
 TOP_K_BY_SELECTION = 1024  # when no sampled row keeps more than this many tokens by top-k, ...
 SELECT_FROM_ROWS = 32      # ... and the batch has this many rows or more, select them (topk) instead of sorting (chapter 13)
 
-def candidates(num_rows: int, vocab_size: int, max_top_k: int | None) -> int:
-    "How many of each row's largest logits filter_logits puts in order: max_top_k when torch.topk can select them, else all."
-    if max_top_k is not None and max_top_k <= TOP_K_BY_SELECTION and num_rows >= SELECT_FROM_ROWS: return min(max_top_k, vocab_size)
-    return vocab_size
+def selects(num_rows: int, k: int) -> bool:
+    "Whether filter_logits finds the k largest logits of each of num_rows rows with torch.topk rather than a sort."
+    return k <= TOP_K_BY_SELECTION and num_rows >= SELECT_FROM_ROWS
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   max_top_k: int | None = None, sorted_logits: torch.Tensor | None = None) -> torch.Tensor:
     "Set to -inf every token outside its row's top-k, top-p nucleus and min-p set: each row keeps its logits at or above one threshold."
     # logits (B, V) after temperature; top_k (B,) long in [1, V]; top_p (B,) in [0, 1]; min_p (B,) in [0, 1];
-    # max_top_k: None, or a bound on every row's top_k known on the host: then only the K largest logits need be in order;
+    # max_top_k: None, or a bound on every row's top_k (rows above it are cut to it): only the K largest logits matter;
     # sorted_logits: None, or the rows of `logits` in descending order, where the caller can sort them for less
-    (B, V), K = logits.shape, candidates(*logits.shape, max_top_k)
-    if K < V: values = logits.topk(K, dim=-1).values  # (B, K), largest first
-    else: values = logits.sort(dim=-1, descending=True).values if sorted_logits is None else sorted_logits
+    (B, V), K = logits.shape, logits.shape[-1] if max_top_k is None else min(max_top_k, logits.shape[-1])
+    if K < V and selects(B, K): values = logits.topk(K, dim=-1).values  # (B, K), largest first: the same values as ...
+    else: values = (logits.sort(dim=-1, descending=True).values if sorted_logits is None else sorted_logits)[:, :K]  # ... these
     best = values[:, :1]                                                   # (B, 1)
     kth = values.gather(-1, top_k.clamp(max=K)[:, None] - 1)               # the k-th largest logit: top-k keeps all >= it
     weight = (values - best).exp()                                         # (B, K) probability relative to the best token
@@ -160,6 +159,9 @@ class SamplingParams:
     def greedy(self) -> bool: return self.temperature < GREEDY_BELOW
     @property
     def penalized(self) -> bool: return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+    @property
+    def filtered(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+    def top_k_of(self, vocab_size: int) -> int: return min(self.top_k, vocab_size) if self.top_k > 0 else vocab_size
 
 # %% ../chapters/06b_sampling.ipynb #1b8c4d6e
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,) long
@@ -264,7 +266,7 @@ class SamplingTensors(NamedTuple):
     @classmethod
     def from_params(cls, params: list, vocab_size: int, device) -> "SamplingTensors":
         "Build all eight tensors with one host-to-device copy."
-        rows = [(1.0 if p.greedy else p.temperature, min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
+        rows = [(1.0 if p.greedy else p.temperature, p.top_k_of(vocab_size),
                  p.top_p, p.min_p, float(p.greedy), p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params]
         t = to_device(torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 8), device)  # exact for vocabularies below 2**24
         return cls(t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3], t[:, 4].bool(), t[:, 5], t[:, 6], t[:, 7])
@@ -309,11 +311,11 @@ def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHi
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
         scaled = edited.float() / t.temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            V = logits.shape[-1]  # the most any sampled row keeps by top-k: below TOP_K_BY_SELECTION, no sort
-            max_top_k = max(p.top_k if 0 < p.top_k < V else V for p in params if not p.greedy)
-            sorted_logits = None  # dividing by the temperature keeps the order: a bfloat16 row sorts in half the time
-            if edited.element_size() < 4 and candidates(len(logits), V, max_top_k) == V:
+        sampled = [p for p in params if not p.greedy]
+        if any(p.filtered for p in sampled):
+            max_top_k = max(p.top_k_of(logits.shape[-1]) for p in sampled)  # greedy rows' filters are cut to it, unused
+            sorted_logits = None  # dividing by the temperature keeps the order, and 16-bit keys sort in fewer passes
+            if edited.element_size() < 4 and not (max_top_k < logits.shape[-1] and selects(len(logits), max_top_k)):
                 sorted_logits = edited.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
             scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p, max_top_k, sorted_logits)
         token_ids = torch.where(t.greedy, token_ids, exponential_race(scaled.softmax(-1), generators))

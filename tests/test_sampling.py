@@ -184,14 +184,49 @@ def _rows_with_ties(B=64, V=3000, seed=1):
     return logits, top_k, top_p, min_p
 
 
-def test_selecting_top_k_equals_sorting():
+def _select_and_sort(monkeypatch, run):
+    "run() with the filter selecting (torch.topk) wherever a bound allows it, then with it always sorting."
+    import nanoserve.sampling as sampling
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "SELECT_FROM_ROWS", 1)
+        selected = run()
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "TOP_K_BY_SELECTION", 0)
+        return selected, run()
+
+
+def test_selecting_top_k_equals_sorting(monkeypatch):
     logits, top_k, top_p, min_p = _rows_with_ties()
     for bound in (59, 64, 1024):
-        assert torch.equal(filter_logits(logits, top_k, top_p, min_p, max_top_k=bound), filter_logits(logits, top_k, top_p, min_p))
+        selected, by_sort = _select_and_sort(monkeypatch, lambda: filter_logits(logits, top_k, top_p, min_p, max_top_k=bound))
+        assert torch.equal(selected, by_sort)  # the same K values, then the same arithmetic: bit for bit
+        assert torch.equal(selected, filter_logits(logits, top_k, top_p, min_p))  # no bound: sums in another order, same tokens here
     ties = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 1.0]]).repeat(32, 1)  # the k-th value ties past the k values topk returns
     args = torch.full((32,), 3), torch.full((32,), 0.8), torch.zeros(32)  # the four 3s hold 28 % of the mass: all stay
-    assert torch.equal(filter_logits(ties, *args, max_top_k=3), filter_logits(ties, *args))
-    assert torch.isfinite(filter_logits(ties, *args, max_top_k=3)).sum(-1).tolist() == [6] * 32
+    selected, by_sort = _select_and_sort(monkeypatch, lambda: filter_logits(ties, *args, max_top_k=3))
+    assert torch.equal(selected, by_sort) and torch.isfinite(selected).sum(-1).tolist() == [6] * 32
+    # a cut within a rounding error of top-p (found in review): the two paths must still agree
+    row = ((torch.randn(32, 5000, generator=torch.Generator().manual_seed(0)) * 0.3) * 8).round()[0] / 8  # many ties
+    args = torch.full((32,), 50), torch.full((32,), 0.023509737104177475), torch.zeros(32)
+    selected, by_sort = _select_and_sort(monkeypatch, lambda: filter_logits(row.repeat(32, 1), *args, max_top_k=50))
+    assert torch.equal(selected, by_sort)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_selecting_top_k_equals_sorting_on_the_gpu(monkeypatch):
+    logits, top_k, top_p, min_p = (t.cuda() for t in _rows_with_ties(B=256, V=32000))
+    for bound in (59, 1024):
+        selected, by_sort = _select_and_sort(monkeypatch, lambda: filter_logits(logits, top_k, top_p, min_p, max_top_k=bound))
+        assert torch.equal(selected, by_sort)
+
+
+def test_sample_with_a_small_top_k_draws_what_the_sort_path_draws(monkeypatch):
+    logits = (torch.randn(32, 2000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16().float()  # with ties
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=s) for s, (k, p, m) in
+              enumerate([(5, 1.0, 0), (50, 0.9, 0), (1, 1.0, 0), (20, 0.5, 0.1), (50, 0.95, 0), (2, 1.0, 0), (3, 0.6, 0), (40, 1.0, 0.2)] * 4)]
+    selected, by_sort = _select_and_sort(monkeypatch, lambda: sample(logits, params, [make_generator(p.seed) for p in params]).token_ids)
+    assert torch.equal(selected, by_sort)
 
 
 def test_sorting_bfloat16_logits_draws_what_sorting_their_float32_copy_draws():
@@ -206,24 +241,6 @@ def test_sorting_bfloat16_logits_draws_what_sorting_their_float32_copy_draws():
     presorted = logits.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
     assert torch.equal(filter_logits(scaled, t.top_k, t.top_p, t.min_p, sorted_logits=presorted),
                        filter_logits(scaled, t.top_k, t.top_p, t.min_p))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_selecting_top_k_equals_sorting_on_the_gpu():
-    logits, top_k, top_p, min_p = (t.cuda() for t in _rows_with_ties(B=256, V=32000))
-    for bound in (59, 1024):
-        assert torch.equal(filter_logits(logits, top_k, top_p, min_p, max_top_k=bound), filter_logits(logits, top_k, top_p, min_p))
-
-
-def test_sample_with_a_small_top_k_draws_what_the_sort_path_draws(monkeypatch):
-    import nanoserve.sampling as sampling
-    logits = (torch.randn(32, 2000, generator=torch.Generator().manual_seed(4)) * 3).bfloat16().float()  # with ties
-    params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=s) for s, (k, p, m) in
-              enumerate([(5, 1.0, 0), (50, 0.9, 0), (1, 1.0, 0), (20, 0.5, 0.1), (50, 0.95, 0), (2, 1.0, 0), (3, 0.6, 0), (40, 1.0, 0.2)] * 4)]
-    selected = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # 32 rows, every top_k <= 50: topk
-    monkeypatch.setattr(sampling, "TOP_K_BY_SELECTION", 0)  # always sort
-    assert torch.equal(selected, sample(logits, params, [make_generator(p.seed) for p in params]).token_ids)
 
 
 # ---------------------------------------------------------------- greedy rows, seeds, logprobs
