@@ -33,7 +33,7 @@ def greedy_naive(model, prompt_ids: list[int], max_new_tokens: int, stop_token_i
 
 # %% ../chapters/06b_sampling.ipynb #330997e5
 TOP_K_BY_SELECTION = 1024  # when no sampled row keeps more than this many tokens by top-k, ...
-SELECT_FROM_ROWS = 32      # ... and the batch has this many rows or more, select them (topk) instead of sorting (chapter 13)
+SELECT_FROM_ROWS = 128     # ... and the batch has this many rows or more, select them (topk) instead of sorting (chapter 13)
 
 def selects(num_rows: int, k: int) -> bool:
     "Whether filter_logits finds the k largest logits of each of num_rows rows with torch.topk rather than a sort."
