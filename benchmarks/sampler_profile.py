@@ -1,6 +1,7 @@
 """Where chapter 6b's sampler spends its time over Llama 3's vocabulary: the whole call and its parts, for 1, 8, 64 and 256
-rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects), on a GPU, with a torch.profiler table of
-the top-p call for 256 rows; optionally the engine's output rate with each. Prints JSON (the table as text).
+rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects from SELECT_FROM_ROWS rows, else sorts), on
+a GPU, with a torch.profiler table of the top-p call for 256 rows; optionally the engine's output rate with each. Prints
+JSON (the table as text).
 
     python benchmarks/sampler_profile.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
     python benchmarks/sampler_profile.py --crossover

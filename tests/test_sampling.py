@@ -187,12 +187,19 @@ def _rows_with_ties(B=64, V=3000, seed=1):
 def _select_and_sort(monkeypatch, run):
     "run() with the filter selecting (torch.topk) wherever a bound allows it, then with it always sorting."
     import nanoserve.sampling as sampling
+    calls, topk = [], torch.Tensor.topk
+    def counted_topk(self, *args, **kwargs):
+        calls.append(args); return topk(self, *args, **kwargs)
     with monkeypatch.context() as m:
         m.setattr(sampling, "SELECT_FROM_ROWS", 1)
+        m.setattr(torch.Tensor, "topk", counted_topk)
         selected = run()
-    with monkeypatch.context() as m:
-        m.setattr(sampling, "TOP_K_BY_SELECTION", 0)
-        return selected, run()
+        assert calls, "the filter did not select"
+        m.setattr(sampling, "SELECT_FROM_ROWS", 10**9)
+        calls.clear()
+        by_sort = run()
+        assert not calls, "the filter selected"
+    return selected, by_sort
 
 
 def test_selecting_top_k_equals_sorting(monkeypatch):
@@ -233,6 +240,9 @@ def test_sorting_bfloat16_logits_draws_what_sorting_their_float32_copy_draws():
     logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()  # ties too
     params = [SamplingParams(temperature=t, top_p=p, min_p=m, seed=s)
               for s, (t, p, m) in enumerate([(0.7, 0.9, 0), (1.3, 0.5, 0), (1.0, 0.95, 0.05), (0.5, 0.3, 0), (2.0, 0.99, 0), (0.9, 0.8, 0.2)])]
+    bf16_full, fp32_full = (sample(x, params, [make_generator(p.seed) for p in params]).token_ids for x in (logits, logits.float()))
+    assert torch.equal(bf16_full, fp32_full)
+    for p, k in zip(params, (30, 7, 100, 1, 64, 12)): p.top_k = k  # every row bounded: the presorted rows are cut to K = 100
     bf16 = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids  # sorts the bfloat16 rows
     fp32 = sample(logits.float(), params, [make_generator(p.seed) for p in params]).token_ids  # sorts the scaled float32 rows
     assert torch.equal(bf16, fp32)
