@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from engine_rates import engine_rates as shared_engine_rates  # benchmarks/, this script's folder
 from nanoserve.benchmark import _median_seconds
 from nanoserve.model_runner import TokenHistories
 from nanoserve.sampling import SamplingParams, TokenHistory, sample
@@ -50,22 +51,11 @@ def row(B: int, device) -> dict:
             "history_rows_on_device_host_ms": host_ms(engine_step)}
 
 
-def engine_rates(model: str, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
+def engine_rates(model: str) -> dict:
     "Output tokens per second of LLM.generate on random-weight requests, sampled plainly and with the three penalties."
-    from nanoserve import LLM
-    llm = LLM(model, load_format="dummy")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(num_requests)]
-    base = dict(temperature=0.8, top_p=0.95, max_tokens=output_len, ignore_eos=True)
-    rates = {}
-    for name, extra in (("plain", {}), ("penalties", dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)),
-                        ("plain_again", {})):
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(**base, **extra), use_tqdm=False)
-        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-    return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
-            "output_tokens_per_s": rates}
+    base = dict(temperature=0.8, top_p=0.95)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    return shared_engine_rates(model, {"plain": base, "penalties": base | penalties, "plain_again": base})
 
 
 def main(argv=None):

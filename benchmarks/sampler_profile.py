@@ -6,13 +6,14 @@ JSON (the table as text).
     python benchmarks/sampler_profile.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
     python benchmarks/sampler_profile.py --crossover
 """
-import argparse, inspect, json, random, statistics, sys, time
+import argparse, inspect, json, statistics, sys, time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from engine_rates import engine_rates as shared_engine_rates  # benchmarks/, this script's folder
 from nanoserve.sampling import SamplingParams, SamplingTensors, exponential_race, filter_logits, sample
 
 VOCAB = 128256
@@ -76,20 +77,9 @@ def select_crossover(device) -> list:
     return rows
 
 
-def engine_rates(model: str, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
+def engine_rates(model: str) -> dict:
     "Output tokens per second of LLM.generate on random-weight requests: greedy, and sampled with each of SETTINGS."
-    from nanoserve import LLM
-    llm = LLM(model, load_format="dummy")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(num_requests)]
-    rates = {}
-    for name, kwargs in [("greedy", dict(temperature=0.0))] + list(SETTINGS.items()):
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(**kwargs, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
-        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-    return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
-            "output_tokens_per_s": rates}
+    return shared_engine_rates(model, {"greedy": dict(temperature=0.0)} | SETTINGS)
 
 
 def main(argv=None):
