@@ -62,6 +62,7 @@ class RequestOutput:
     logprobs: list | None = None  # TokenLogprobs per generated token, when params.logprobs is set
     error: str | None = None      # why the engine failed this request (finish_reason "abort"), if it did
     num_cached_tokens: int = 0    # prompt tokens whose keys and values the prefix cache held (chapter 10b)
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: None for the first prompt token, then TokenLogprobs of each
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
 @dataclass
@@ -75,6 +76,7 @@ class Request:
     stream: bool = True  # report after every step, or only once finished
     text: str = ""
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # per prompt token: None for the first, TokenLogprobs for the others once computed
     error: str | None = None
 
     def output(self, snapshot: bool = True) -> RequestOutput:
@@ -83,8 +85,8 @@ class Request:
         if not seq.is_finished and seq.params.stop: text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         ids, logprobs = seq.output_token_ids, self.logprobs  # snapshot=False: the live lists, O(1) instead of O(tokens)
         if snapshot: ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
-        return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished,
-                             seq.finish_reason, self.metrics, logprobs, self.error, seq.num_cached_tokens)
+        return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished, seq.finish_reason,
+                             self.metrics, logprobs, self.error, seq.num_cached_tokens, self.prompt_logprobs)  # complete once a token is out
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -143,7 +145,8 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
         raise ValueError(f"arrival_time={arrival_time!r}: expected None or a time.monotonic() reading")
     if params.stop and self.tokenizer is None: raise ValueError("stop strings need a tokenizer; this model has none")
     vocab_size = self.model.config.vocab_size
-    if (params.logprobs or 0) > vocab_size: raise ValueError(f"logprobs={params.logprobs}: this model has only {vocab_size} tokens")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > vocab_size: raise ValueError(f"{name}={getattr(params, name)}: this model has only {vocab_size} tokens")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids={list(params.stop_token_ids)}: this model's token ids are below {vocab_size}")
     if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # sorted: the last id is the largest
@@ -157,7 +160,8 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     seq = Sequence(request_id, ids, params, arrival)
     detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids) if self.tokenizer else None
     request = Request(seq, prompt if isinstance(prompt, str) else None, detok, make_generator(params.seed, self.runner.device),
-                      RequestMetrics(arrival), stream, logprobs=[] if params.logprobs is not None else None)
+                      RequestMetrics(arrival), stream, logprobs=[] if params.logprobs is not None else None,
+                      prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
     self.scheduler.add(seq)  # raises if it could never fit; last, so that a request is in both places or in neither
     self.requests[request_id] = request
     return request_id
@@ -218,6 +222,7 @@ def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
     t0 = time.perf_counter()
     sampled = launched.result()  # waits for this step's tokens, not for a step launched after it
     out = launched.out
+    if launched.prompt_spans: self._record_prompt_logprobs(launched)
     seqs = out.sampled_seqs  # a chunk that ends before its prompt does brings no token
     was_finished = [s.is_finished for s in seqs]  # aborted or stopped meanwhile
     self.scheduler.update(out, sampled.token_ids.tolist())
@@ -234,7 +239,20 @@ def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
     self.step_seconds["process_outputs"] += time.perf_counter() - t1
     return outputs
 
-LLMEngine._process = _process
+def _record_prompt_logprobs(self: LLMEngine, launched: LaunchedStep):
+    "Put the prompt log probabilities a step computed into each request's list, by position; a recomputed position keeps its first."
+    got = launched.prompt
+    ids, lps, top_ids, top_lps = got.token_ids.tolist(), got.logprobs.tolist(), got.top_token_ids.tolist(), got.top_logprobs.tolist()
+    row = 0
+    for seq, first, count, _ in launched.prompt_spans:
+        req, k = self.requests.get(seq.seq_id), seq.params.prompt_logprobs
+        if req is not None and req.seq is seq:  # not aborted meanwhile
+            entries = req.prompt_logprobs  # entry p + 1 belongs to position p, which predicts prompt token p + 1
+            for p, i in zip(range(first, first + count), range(row, row + count)):
+                if entries[p + 1] is None: entries[p + 1] = TokenLogprobs(ids[i], lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])))
+        row += count
+
+LLMEngine._process, LLMEngine._record_prompt_logprobs = _process, _record_prompt_logprobs
 
 # %% ../chapters/11b_engine.ipynb #bf1578ed
 def _abort(self: LLMEngine, request_id) -> RequestOutput | None:

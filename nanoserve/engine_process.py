@@ -31,22 +31,25 @@ class OutputDelta:
     error: str | None = None      # why the engine failed this request, if it did
     metrics: RequestMetrics | None = None  # the request's timings, once it has finished
     num_cached_tokens: int = 0    # prompt tokens the prefix cache held (chapter 10b)
+    prompt_logprobs: list | None = None  # in a request's first delta only, when it asked for them (chapter 11a)
 
     def __reduce__(self):  # pickled as the constructor's arguments, not as a slotted dataclass's state (timed below)
         return OutputDelta, (self.request_id, self.text_start, self.text, self.token_ids, self.logprobs, self.finished,
-                             self.finish_reason, self.error, self.metrics, self.num_cached_tokens)
+                             self.finish_reason, self.error, self.metrics, self.num_cached_tokens, self.prompt_logprobs)
 
 class DeltaTracker:
     "The engine process's memory of what it has sent of each request."
     def __init__(self): self.sent: dict = {}  # request_id -> (the text sent, the number of tokens sent)
 
     def delta(self, out: RequestOutput) -> OutputDelta:
+        first = out.request_id not in self.sent
         old_text, n = self.sent.pop(out.request_id, ("", 0))
         start = len(old_text) if out.text.startswith(old_text) else 0
         if not out.finished: self.sent[out.request_id] = (out.text, len(out.token_ids))
         return OutputDelta(out.request_id, start, out.text[start:], out.token_ids[n:],
                            None if out.logprobs is None else out.logprobs[n:], out.finished, out.finish_reason,
-                           out.error, out.metrics if out.finished else None, out.num_cached_tokens)
+                           out.error, out.metrics if out.finished else None, out.num_cached_tokens,
+                           out.prompt_logprobs if first else None)
 
 @dataclass(eq=False)
 class OutputAssembly(LiveOutput):
@@ -63,6 +66,7 @@ class OutputAssembly(LiveOutput):
     applied: int = 0  # deltas that changed the output
     read: int = 0     # ... of which the stream's reader has seen all by now
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
 
     def apply(self, d: OutputDelta):
         "Add a delta's text, tokens and log probabilities; the lists grow in place, and none is copied."
@@ -70,6 +74,7 @@ class OutputAssembly(LiveOutput):
             if d.token_ids or d.text or d.text_start != len(self.text): self.applied += 1
             self.text = self.text[:d.text_start] + d.text
             self.num_cached_tokens = d.num_cached_tokens
+            if d.prompt_logprobs is not None: self.prompt_logprobs = d.prompt_logprobs
             self.token_ids += d.token_ids
             if d.logprobs is not None:
                 if self.logprobs is None: self.logprobs = []
@@ -92,7 +97,7 @@ class OutputAssembly(LiveOutput):
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
                              reason, metrics or RequestMetrics(self.arrival_time),
                              None if self.logprobs is None else list(self.logprobs), None if last is None else last.error,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, self.prompt_logprobs)
 
 # %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:

@@ -114,7 +114,9 @@ class PrefixCachingScheduler(Scheduler):
             raise ValueError(f"PrefixCachingScheduler needs a PrefixCachingBlockManager, got {type(blocks).__name__}")
         super().__init__(config, blocks, **options)
 
-    def _cached_prefix(self, seq: Sequence) -> list: return self.blocks.match(seq)
+    def _cached_prefix(self, seq: Sequence) -> list:
+        "The cached blocks `seq` can share; none while it still needs its prompt's log probabilities (chapter 11a), which need every row."
+        return [] if seq.params.prompt_logprobs is not None and not seq.num_output_tokens else self.blocks.match(seq)
 
     def _will_compute(self, seq: Sequence, end: int):
         "Name the full blocks this step completes as it is scheduled: a sequence admitted after `seq` in this same step shares them."

@@ -9,15 +9,15 @@ __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'OpenAIMode
            'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs',
            'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo',
            'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage', 'completion_logprobs', 'chat_logprobs',
-           'new_id', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
+           'new_id', 'Echo', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
-import codecs, time, uuid
+import codecs, dataclasses, time, uuid
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
-from .engine import RequestOutput
+from .engine import RequestOutput, TokenLogprobs
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -36,7 +36,7 @@ MAX_STOPS = 16  # stop strings, and stop token ids, a request may give: each is 
 MAX_N = 128          # choices per prompt (`n`), OpenAI's limit
 MAX_CHOICES = 2048   # choices of one request, prompts times n: OpenAI's limit on a list of prompts
 
-ACCEPTED = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # the one value each may have
+ACCEPTED = {"suffix": "", "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # the one value each may have
 
 def only_accepted(cls, value, info):
     "Validator for the fields in ACCEPTED: refuse any other value, by name."
@@ -109,9 +109,9 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     "The body of POST /v1/completions."
     prompt: str | Items[StrictInt] | Items[str] | Items[Items[StrictInt]]  # strict: `true` is not a token id
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt tokens' log probabilities too
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, to score it
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
 
@@ -123,6 +123,14 @@ class CompletionRequest(SamplingRequest):
         if many and len(v) * n > MAX_CHOICES: raise ValueError(f"{len(v)} prompts x n={n} choices: at most {MAX_CHOICES}")
         for p in v if many else [v]:
             if isinstance(p, list) and (not p or any(t < 0 for t in p)): raise ValueError("token ids must be >= 0, and at least one")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_needs_echo(cls, v, info):  # `echo` is declared before `max_tokens`, so it is in info.data
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens=0 asks for no completion, which only makes sense with echo: true (the prompt alone, "
+                             "with its log probabilities if logprobs is set)")
         return v
 
     @field_validator("best_of")
@@ -139,7 +147,7 @@ class CompletionRequest(SamplingRequest):
         many = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
         return self.prompt if many else [self.prompt]
 
-    _accepted_here = field_validator("echo", "suffix")(classmethod(only_accepted))
+    _accepted_here = field_validator("suffix")(classmethod(only_accepted))
     _null_is_default_here = field_validator("echo", mode="before")(SamplingRequest._null_is_default.__func__)
 
 # %% ../chapters/12b_protocol.ipynb #1285e675
@@ -222,8 +230,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0) -> S
              if getattr(req, name) is not None}
     if req.seed is not None: given["seed"] = choice_seed(req.seed, choice)
     top = req.logprobs if isinstance(req, CompletionRequest) else (req.top_logprobs or 0) if req.logprobs else None
+    prompt_top = top if isinstance(req, CompletionRequest) and req.echo else None  # echoed prompts carry log probabilities too
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, logprobs=top)
+                          ignore_eos=req.ignore_eos, logprobs=top, prompt_logprobs=prompt_top)
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653
 class PromptTokensDetails(BaseModel):
@@ -237,8 +246,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 class CompletionChoice(BaseModel):
@@ -340,7 +349,7 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     for lp in out.logprobs[max(0, start - 3):start]:  # a chunk may start inside a character: the bytes it started with
         characters.decode(token_text_and_bytes(tokenizer, lp.token_id)[1])  # were sent, its text was not (12c holds it back)
     for _, raw in named: offsets.append(at); at += len(characters.decode(raw))  # where each token's text starts
-    top = [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
+    top = [None if lp.top is None else {token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top, "text_offset": offsets}
 
 def chat_logprobs(out: RequestOutput, tokenizer, start: int, end: int) -> dict | None:
@@ -353,12 +362,35 @@ def chat_logprobs(out: RequestOutput, tokenizer, start: int, end: int) -> dict |
 # %% ../chapters/12b_protocol.ipynb #1f72aab9
 def new_id(prefix: str) -> str: return f"{prefix}-{uuid.uuid4().hex}"
 
-def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1) -> dict:
-    "The body of a finished, non-streamed completion: one choice per output, `n` per prompt, in order."
+@dataclasses.dataclass
+class Echo:
+    """A completion's `echo`: what each choice shows is its prompt, then its completion, in the text and, with
+    `logprobs`, in the log probabilities. `generated=False` (max_tokens 0) drops the one token the engine drew."""
+    prompt_texts: list      # per choice, prompt-major as the choices are
+    generated: bool = True
+
+    def counted(self, out: RequestOutput) -> RequestOutput:
+        "The output as usage counts it: without the drawn token when nothing was to be generated."
+        if self.generated: return out
+        reason = out.finish_reason if out.finish_reason == "abort" else "length" if out.finished else None
+        return dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [], finish_reason=reason)
+
+    def shown(self, choice: int, out: RequestOutput) -> RequestOutput:
+        "The output as choice `choice` shows it: the prompt's text, tokens and log probabilities first."
+        out, logprobs = self.counted(out), None
+        if out.logprobs is not None:  # a prompt token without a log probability (its first) has an entry of None values
+            given = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            logprobs = [TokenLogprobs(t, None, None) if lp is None else lp for t, lp in zip(out.prompt_token_ids, given)] + out.logprobs
+        return dataclasses.replace(out, text=self.prompt_texts[choice] + out.text, token_ids=out.prompt_token_ids + out.token_ids,
+                                   logprobs=logprobs)
+
+def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1, echo: Echo | None = None) -> dict:
+    "The body of a finished, non-streamed completion: one choice per output, `n` per prompt, in order; `echo`: with the prompts."
+    shown = outs if echo is None else [echo.shown(i, out) for i, out in enumerate(outs)]
     choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": completion_logprobs(out, tokenizer, 0, len(out.token_ids))} for i, out in enumerate(outs)]
+                "logprobs": completion_logprobs(out, tokenizer, 0, len(out.token_ids))} for i, out in enumerate(shown)]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outs, n)}
+            "choices": choices, "usage": usage(outs if echo is None else [echo.counted(out) for out in outs], n)}
 
 def chat_response(rid: str, model: str, outs: list, tokenizer) -> dict:
     "The body of a finished, non-streamed chat completion: one choice per output, all of one conversation."

@@ -6,8 +6,8 @@
 __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'GREEDY_BELOW', 'FLOAT32_MAX',
            'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'argmax_rows', 'make_generator',
            'exponential_race', 'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens',
-           'ban_tokens', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'with_logprobs', 'sample', 'find_stop',
-           'StopCheck', 'check_stop']
+           'ban_tokens', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs',
+           'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -90,6 +90,8 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
                  _or_none(int)),
+    "prompt_logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
+                        _or_none(int)),
     "presence_penalty": (lambda v: _real(v) and -2 <= v <= 2, "a number in [-2, 2] (OpenAI's range)", float),
     "frequency_penalty": (lambda v: _real(v) and -2 <= v <= 2, "a number in [-2, 2] (OpenAI's range)", float),
     "repetition_penalty": (lambda v: _real(v) and 0.01 <= v <= 100, "a number in [0.01, 100]; 1 disables", float),
@@ -139,6 +141,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0 # divide the positive logits, multiply the negative ones, of tokens in the prompt or output
     logit_bias: tuple = ()      # (token id, bias) pairs added to the logits; give a dict {token id: bias}
     min_tokens: int = 0         # no end-of-sequence token, stop token or stop string before this many new tokens
+    prompt_logprobs: int | None = None  # n: the log probability of each prompt token given those before it, and the top n
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -280,13 +283,16 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None  # (B, N) the N most likely tokens, N = the batch's largest `logprobs`
     top_logprobs: torch.Tensor | None = None   # (B, N) their log probabilities, in decreasing order
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
+    "`token_ids` (B,) with their log probabilities under `logits` (B, V), and the n most likely tokens of each row."
+    logp = logits.float().log_softmax(-1)  # (B, V), in float32 whatever the model's dtype
+    top = logp.topk(n, dim=-1)     # (B, n)
+    return SamplerOutput(token_ids, logp.gather(-1, token_ids[:, None])[:, 0], top.indices, top.values)
+
 def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -> SamplerOutput:
     "The sampler's output for `token_ids`, with log probabilities from `logits` (B, V) if any row wants them."
     n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-    if n is None: return SamplerOutput(token_ids)
-    logp = logits.float().log_softmax(-1)  # (B, V), in float32 whatever the model's dtype
-    top = logp.topk(n, dim=-1)     # (B, N)
-    return SamplerOutput(token_ids, logp.gather(-1, token_ids[:, None])[:, 0], top.indices, top.values)
+    return SamplerOutput(token_ids) if n is None else token_logprobs(logits, token_ids, n)
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
 @torch.no_grad()

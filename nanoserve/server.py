@@ -24,7 +24,7 @@ from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
 from .engine import RequestOutput
 from .loader import DEFAULT_MODEL
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Echo,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
                                 completion_delta, completion_response, new_id, sampling_params, token_budget, usage)
 
@@ -203,18 +203,21 @@ async def tagged(outputs: list):
         await asyncio.gather(*pending, return_exceptions=True)
         for o in outputs: await o.aclose()
 
-async def completion_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, n: int = 1):
-    "The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order)."
+async def completion_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, n: int = 1,
+                            echo: Echo | None = None):
+    "The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order); `echo`: prompts first."
     created, k = int(time.time()), len(outputs)
     sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
     async with contextlib.aclosing(tagged(outputs)) as choices:
         try:
             async for i, out in choices:
+                last[i] = out if echo is None else echo.counted(out)
+                if echo is not None: out = echo.shown(i, out)  # the first chunk of a choice brings its prompt
                 text, end = out.text[sent_text[i]:], len(out.token_ids)
                 if end > sent_tokens[i] or out.finished:
                     delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, sent_text[i], i)
                     yield sse(chunk(rid, model, created, False, [delta]))
-                sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
+                sent_text[i], sent_tokens[i] = len(out.text), end
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
             return
@@ -333,6 +336,12 @@ class OpenAIServer:
         encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
         return [next(encoded) if isinstance(p, str) else list(p) for p in req.prompts]
 
+    def prompt_texts(self, req: CompletionRequest, prompts: list) -> list:
+        "What `echo` returns of each prompt: a string as it came, token ids as the tokenizer decodes them."
+        if self.tokenizer is None and any(not isinstance(p, str) for p in req.prompts):
+            raise InvalidRequest("This model has no tokenizer, so echo cannot turn token ids back into text.", "echo")
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
         "The token ids of a conversation, rendered with the model's chat template (off the event loop)."
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -409,13 +418,16 @@ def add_routes(app: FastAPI, server: OpenAIServer):
     async def completions(req: CompletionRequest, request: Request):
         "Complete a prompt (OpenAI's legacy completions API); with `stream: true`, as server-sent events."
         server.check_model(req.model)
-        streams = await server.start(await server.completion_prompts(req), req, req.max_tokens, "max_tokens", "prompt")
+        prompts = await server.completion_prompts(req)
+        echo = Echo([t for t in server.prompt_texts(req, prompts) for _ in range(req.n)], req.max_tokens != 0) if req.echo else None
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo alone: the engine draws one token, which is dropped
+        streams = await server.start(prompts, req, max_tokens, "max_tokens", "prompt")
         rid, abort = new_id("cmpl"), functools.partial(server.abort_unless_finished, streams)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
-            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n), abort)
+            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n, echo), abort)
         outs = await final_outputs(outputs, request, abort)
-        return Response(status_code=499) if outs is None else completion_response(rid, server.model_name, outs, server.tokenizer, req.n)
+        return Response(status_code=499) if outs is None else completion_response(rid, server.model_name, outs, server.tokenizer, req.n, echo)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=error_docs)
     async def chat_completions(req: ChatCompletionRequest, request: Request):

@@ -17,7 +17,7 @@ from nanoserve.server import make_server, run_in_thread
 OPTIONS = dict(max_model_len=256, num_kv_blocks=96, device="cpu")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0, max_tokens=16, stop=["\n"]),
-          SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2)]
+          SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2, prompt_logprobs=1)]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def test_delta_round_trip_rebuilds_every_output(llm):
             d = tracker.delta(out)
             a.apply(d)
             rebuilt = a.output(d)
-            assert (rebuilt.text, rebuilt.token_ids, rebuilt.finished, rebuilt.finish_reason, rebuilt.logprobs) == \
-                   (out.text, out.token_ids, out.finished, out.finish_reason, out.logprobs)
+            assert (rebuilt.text, rebuilt.token_ids, rebuilt.finished, rebuilt.finish_reason, rebuilt.logprobs, rebuilt.prompt_logprobs) == \
+                   (out.text, out.token_ids, out.finished, out.finish_reason, out.logprobs, out.prompt_logprobs)
     assert not tracker.sent  # finished requests are forgotten
 
 
@@ -160,7 +160,7 @@ def test_the_engine_process_takes_outputs_without_copies():
 def test_output_delta_pickles_to_itself():
     "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
     d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",
-                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32)
+                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32, [None, TokenLogprobs(5, -2.5, [(9, -0.25)])])
     assert pickle.loads(pickle.dumps(d)) == d
 
 
@@ -174,7 +174,10 @@ def test_outputs_equal_llm_generate(remote, llm):
         if got.logprobs:
             assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got.logprobs] == \
                    [(lp.token_id, [t for t, _ in lp.top]) for lp in want.logprobs]
+        assert [None if lp is None else (lp.token_id, [t for t, _ in lp.top]) for lp in got.prompt_logprobs or []] == \
+               [None if lp is None else (lp.token_id, [t for t, _ in lp.top]) for lp in want.prompt_logprobs or []]
         assert got.metrics.ttft is not None and got.metrics.e2e >= got.metrics.ttft
+    assert expected[2].prompt_logprobs and expected[2].prompt_logprobs[1] is not None  # the case above is not empty
 
 
 def test_each_message_reaches_the_event_loop_in_one_call(remote):

@@ -274,6 +274,61 @@ def test_completion_logprobs(client):
     assert tokens == lp.tokens
 
 
+def test_echo_returns_the_prompt_scored_as_llm_prompt_logprobs(client, reference):
+    "lm-evaluation-harness's request: the prompt alone (max_tokens 0) with its log probabilities, as LLM.generate gives them."
+    prompt = PROMPTS[0] + " Paris."
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch, lp = r.choices[0], r.choices[0].logprobs
+    want = reference["llm"].generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), 0)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has nothing before it
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4)
+    tok = reference["llm"].get_tokenizer()
+    assert lp.tokens == [tok.decode([t]) for t in want.prompt_token_ids] and "".join(lp.tokens) == prompt
+    assert [list(top) for top in lp.top_logprobs[1:]] == [[tok.decode([e.top[0][0]])] for e in want.prompt_logprobs[1:]]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    generated = reference["llm"].generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert more.choices[0].text == prompt + generated.text and more.usage.completion_tokens == 3
+    assert len(more.choices[0].logprobs.tokens) == len(want.prompt_token_ids) + 3
+    assert more.choices[0].logprobs.token_logprobs[:len(lp.tokens)] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert more.choices[0].logprobs.text_offset[len(lp.tokens)] == len(prompt)  # the completion starts after the prompt
+
+
+def test_echo_streams_and_takes_token_ids_and_many_prompts(client, url, reference):
+    prompt = PROMPTS[3]
+    ids = reference["llm"].get_tokenizer().encode(prompt)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2, temperature=0)
+    parts = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    assert parts[0].choices[0].text.startswith(prompt)  # the first chunk brings the prompt
+    assert [t for p in parts for t in p.choices[0].logprobs.tokens] == whole.choices[0].logprobs.tokens
+    assert [v for p in parts for v in p.choices[0].logprobs.token_logprobs] == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-4)
+    plain = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], n=2, max_tokens=0, echo=True, temperature=0)
+    texts = reference["llm"].get_tokenizer().decode(ids), reference["llm"].get_tokenizer().decode(ids[:2])
+    assert [c.text for c in plain.choices] == [texts[0], texts[0], texts[1], texts[1]]  # prompt-major, no completion
+    assert all(c.logprobs is None for c in plain.choices) and plain.usage.completion_tokens == 0
+    assert plain.usage.prompt_tokens == len(ids) + 2
+    zero = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0}, timeout=60)
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens" and "echo" in zero.json()["error"]["message"]
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                                         "echo": True, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"][0]["text"] for e in events] == [prompt] and events[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_of_token_ids_needs_a_tokenizer():
+    from types import SimpleNamespace
+    from nanoserve.protocol import CompletionRequest, InvalidRequest
+    from nanoserve.server import OpenAIServer
+    no_tokenizer = SimpleNamespace(tokenizer=None)
+    assert OpenAIServer.prompt_texts(no_tokenizer, CompletionRequest(prompt="hi", echo=True), [[1]]) == ["hi"]
+    with pytest.raises(InvalidRequest, match="no tokenizer, so echo cannot") as e:
+        OpenAIServer.prompt_texts(no_tokenizer, CompletionRequest(prompt=[5, 6], echo=True), [[5, 6]])
+    assert e.value.param == "echo"
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0,
                                        logprobs=True, top_logprobs=2)
