@@ -2,7 +2,9 @@
 LLM.generate with max_tokens=1 and prompt_logprobs=1, against the same prompts without them (what the LM head on every
 row costs), transformers' batched forward with a log-softmax over the same weights, and the floor: the prefill's FLOPs,
 the LM head on every position included, at the matmul rate measured in the same run. Both read one random-weight
-checkpoint, so the run also compares their log probabilities. Prints JSON.
+checkpoint, so the run also compares their log probabilities. It also times the log probabilities of 1,024 rows of
+logits alone: chapter 6b's log-softmax against chapter 9b's one-pass kernel, with the bytes of the logits over the copy
+bandwidth as the limit. Prints JSON.
 
     python benchmarks/prompt_scoring.py benchmarks/configs/Llama-3.2-1B [--num-prompts 512] [--prompt-len 512] [--out F]
 """
@@ -11,8 +13,10 @@ import argparse, json, random, tempfile, time
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.benchmark import environment, matmul_params, matmul_rate
+from nanoserve.benchmark import _median_seconds, copy_bandwidth, environment, matmul_params, matmul_rate
+from nanoserve.fused_ops import token_logprobs_fused
 from nanoserve.loader import ModelConfig
+from nanoserve.sampling import token_logprobs
 
 
 def hf_scores(model, prompts: list, batch: int) -> tuple:
@@ -32,10 +36,27 @@ def hf_scores(model, prompts: list, batch: int) -> tuple:
 
 
 def timed_generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple:
+    "(seconds, the engine's host phases over the call, outputs) of one LLM.generate from a cold prefix cache."
     llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    before = dict(engine.step_seconds)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, outs
+    return time.perf_counter() - start, {k: v - before[k] for k, v in engine.step_seconds.items()}, outs
+
+
+def logprob_kernels(vocab: int, rows: int = 1024) -> dict:
+    "Milliseconds of token_logprobs (float32 log-softmax) and token_logprobs_fused on (rows, vocab) bf16 logits."
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    limit = rows * vocab * logits.element_size() / copy_bandwidth()  # reading the logits once, at copy speed
+    res = {"rows": rows, "vocab": vocab, "read_logits_once_ms": limit * 1e3}
+    for n in (1, 5):
+        for name, fn in (("log_softmax", token_logprobs), ("one_pass", token_logprobs_fused)):
+            res[f"{name}_top{n}_ms"] = _median_seconds(lambda: fn(logits, targets, n)) * 1e3
+    a, b = token_logprobs(logits, targets, 1), token_logprobs_fused(logits, targets, 1)
+    res["max_abs_diff"] = (a.logprobs - b.logprobs).abs().max().item()
+    return res
 
 
 def floor_flops(cfg: ModelConfig, num_prompts: int, length: int) -> int:
@@ -73,13 +94,14 @@ def main():
         llm = LLM(checkpoint, dtype="bfloat16", max_model_len=max(2048, args.prompt_len + 1))
         scored_params, plain_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), SamplingParams(temperature=0, max_tokens=1)
         timed_generate(llm, prompts[:32], scored_params)  # warm-up: compiles the kernels of eager steps
-        runs = {"scored": [], "plain": []}
+        runs, phases = {"scored": [], "plain": []}, {}
         for _ in range(2):  # alternated, so that a drift in the machine's speed shows in both
             for name, params in (("scored", scored_params), ("plain", plain_params)):
-                seconds, outs = timed_generate(llm, prompts, params)
+                seconds, phases[name], outs = timed_generate(llm, prompts, params)
                 runs[name].append(seconds)
                 if name == "scored": scored = outs
-        res["nanoserve"] = {name: {"seconds": min(s), "runs": s, "prompt_tokens_per_s": tokens / min(s)} for name, s in runs.items()}
+        res["nanoserve"] = {name: {"seconds": min(s), "runs": s, "prompt_tokens_per_s": tokens / min(s),
+                                   "last_run_step_seconds": phases[name]} for name, s in runs.items()}
         res["nanoserve"]["scored_over_plain_seconds"] = min(runs["scored"]) / min(runs["plain"])
         diffs, agree, total = [], 0, 0
         for out, (chosen, best) in zip(scored, reference):
@@ -93,6 +115,7 @@ def main():
         cfg = llm.llm_engine.model.config
         del llm
         torch.cuda.empty_cache()
+    res["logprob_kernels"] = logprob_kernels(cfg.vocab_size)
     rate = matmul_rate("cuda", torch.bfloat16)
     flops = floor_flops(cfg, args.num_prompts, args.prompt_len)
     res["floor"] = {"matmul_flops_per_s": rate, "flops": flops, "seconds": flops / rate, "prompt_tokens_per_s": tokens * rate / flops}

@@ -222,11 +222,11 @@ def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:
     t0 = time.perf_counter()
     sampled = launched.result()  # waits for this step's tokens, not for a step launched after it
     out = launched.out
-    if launched.prompt_spans: self._record_prompt_logprobs(launched)
     seqs = out.sampled_seqs  # a chunk that ends before its prompt does brings no token
     was_finished = [s.is_finished for s in seqs]  # aborted or stopped meanwhile
     self.scheduler.update(out, sampled.token_ids.tolist())
     t1, now, outputs = time.perf_counter(), time.monotonic(), []
+    if launched.prompt_spans: self._record_prompt_logprobs(launched)  # host work: counted in process_outputs
     for row, (seq, req, skip) in enumerate(zip(seqs, reqs, was_finished)):
         if skip: continue  # this token was computed after the sequence ended: throw it away
         req.metrics.first_token_time = req.metrics.first_token_time or now

@@ -370,7 +370,7 @@ def _profile_peak_bytes(self: ModelRunner) -> int:
     history = TokenHistory.from_lists([[0]] * B, [[0]] * B, self.device)  # penalties add (B, V) counts to the sampler's work
     sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logit_bias={0: 1.0})] * B, history=history)
     R = min(T, PROMPT_LOGPROBS_ROWS)  # prompt log probabilities: logits of R rows at a time, beside the step's hidden states
-    token_logprobs(self.model.lm_head(hidden[:R]), ids[:R], MAX_LOGPROBS)
+    self.token_logprobs(self.model.lm_head(hidden[:R]), ids[:R], MAX_LOGPROBS)
     torch.cuda.synchronize(self.device)
     return torch.cuda.max_memory_allocated(self.device)
 
@@ -495,7 +495,7 @@ def _replay_prefill(self: ModelRunner, inputs: BatchInputs, n: int) -> torch.Ten
 ModelRunner.capture_prefill_graphs, ModelRunner.replay_prefill = _capture_prefill_graphs, _replay_prefill
 
 # %% ../chapters/11a_model_runner.ipynb #pl11a002
-PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits (rows x vocabulary, float32) exist at once
+PROMPT_LOGPROBS_ROWS = 1024  # prompt positions whose logits (rows x vocabulary) exist at once
 
 def prompt_logprob_spans(out: SchedulerOutput) -> list:
     """(sequence, first position, count, its first row in the step) for each sequence of `out` that asked for prompt
@@ -517,9 +517,16 @@ def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, spans: list) -> Sa
     targets = np.concatenate([seq.prompt_token_ids[first + 1:first + 1 + count] for seq, first, count, _ in spans])
     both = _to_device(np.stack([rows, targets]).astype(np.int64), self.device)  # one copy
     num_top = max(seq.params.prompt_logprobs for seq, *_ in spans)
-    parts = [token_logprobs(self.model.lm_head(hidden[r]), t, num_top)
+    parts = [self.token_logprobs(self.model.lm_head(hidden[r]), t, num_top)
              for r, t in zip(both[0].split(PROMPT_LOGPROBS_ROWS), both[1].split(PROMPT_LOGPROBS_ROWS))]
     return SamplerOutput(both[1], *(torch.cat(columns) for columns in zip(*((p.logprobs, p.top_token_ids, p.top_logprobs)
                                                                              for p in parts))))
 
-ModelRunner.prompt_logprobs = _prompt_logprobs
+def _token_logprobs(self: ModelRunner, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
+    "Chapter 6b's token_logprobs; on CUDA with fuse_ops, chapter 9b's, which reads the logits once and copies none to float32."
+    if self.device.type == "cuda" and self.config.fuse_ops:
+        from nanoserve.fused_ops import token_logprobs_fused  # needs triton, which CPU-only installs may lack
+        return token_logprobs_fused(logits, token_ids, n)
+    return token_logprobs(logits, token_ids, n)
+
+ModelRunner.prompt_logprobs, ModelRunner.token_logprobs = _prompt_logprobs, _token_logprobs

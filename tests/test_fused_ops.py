@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from nanoserve import fused_ops
-from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, merge_linears, rms_norm, rope, silu_and_mul,
-                                 unfuse_small_ops)
+from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, rms_norm, rope,
+                                 silu_and_mul, token_logprobs_fused, unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
+from nanoserve.sampling import token_logprobs
 from nanoserve.testing import tiny_model_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,6 +84,36 @@ def test_silu_and_mul(dtype):
     g, u = torch.randn(5, 1500, device=DEVICE).to(dtype), torch.randn(5, 1500, device=DEVICE).to(dtype)
     torch.testing.assert_close(silu_and_mul(torch.cat([g, u], -1)), torch.nn.functional.silu(g) * u,
                                atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R, V", [(5, 9000), (3, 100), (1, 4096), (0, 300)])
+def test_logprobs_in_one_pass_equal_the_log_softmax(dtype, R, V):
+    "Rows longer and shorter than a block, and exactly one; ties for the best token go to the lowest id, as argmax's do."
+    g = torch.Generator().manual_seed(R * V)
+    logits = (torch.randn(R, V, generator=g) * 5).to(dtype).to(DEVICE)
+    if R >= 3: logits[2, [V - 1, 7, 50]] = logits[2].max() + 1  # a three-way tie, the last one in the row's last block
+    targets = torch.randint(0, V, (R,), generator=g).to(DEVICE)
+    reference = logits.float().log_softmax(-1)
+    lse, chosen, best, best_logprob = logprob_rows(logits, targets)
+    torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(chosen, reference.gather(1, targets[:, None])[:, 0], rtol=0, atol=1e-5)
+    assert best.tolist() == logits.float().argmax(-1).tolist()
+    torch.testing.assert_close(best_logprob, reference.max(-1).values, rtol=0, atol=1e-5)
+    for n in (0, 1, 4):
+        plain, fused = token_logprobs(logits, targets, n), token_logprobs_fused(logits, targets, n)
+        assert torch.equal(fused.token_ids, targets) and fused.top_token_ids.shape == (R, n)
+        torch.testing.assert_close(fused.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fused.top_logprobs, plain.top_logprobs, rtol=0, atol=1e-5)
+        picked = reference.gather(1, fused.top_token_ids)  # the top tokens' own log probabilities: equal ones may swap
+        torch.testing.assert_close(picked, plain.top_logprobs, rtol=0, atol=1e-5)
+
+
+def test_logprob_rows_refuses_bad_arguments():
+    logits = torch.randn(3, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be a float"): logprob_rows(logits[0], torch.zeros(3, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match=r"token_ids must be \(3,\) long"): logprob_rows(logits, torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"token_ids must be \(3,\) long"): logprob_rows(logits, torch.zeros(2, dtype=torch.long, device=DEVICE))
 
 
 def test_a_wrong_rotation_is_caught():
