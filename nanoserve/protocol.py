@@ -368,6 +368,7 @@ class Echo:
     `logprobs`, in the log probabilities. `generated=False` (max_tokens 0) drops the one token the engine drew."""
     prompt_texts: list      # per choice, prompt-major as the choices are
     generated: bool = True
+    prompt_entries: dict = dataclasses.field(default_factory=dict, repr=False)  # choice -> its prompt's TokenLogprobs
 
     def counted(self, out: RequestOutput) -> RequestOutput:
         "The output as usage counts it: without the drawn token when nothing was to be generated."
@@ -378,9 +379,12 @@ class Echo:
     def shown(self, choice: int, out: RequestOutput) -> RequestOutput:
         "The output as choice `choice` shows it: the prompt's text, tokens and log probabilities first."
         out, logprobs = self.counted(out), None
-        if out.logprobs is not None:  # a prompt token without a log probability (its first) has an entry of None values
-            given = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-            logprobs = [TokenLogprobs(t, None, None) if lp is None else lp for t, lp in zip(out.prompt_token_ids, given)] + out.logprobs
+        if out.logprobs is not None:  # made once per choice: a stream shows every output of it
+            if choice not in self.prompt_entries:  # a prompt token without a log probability (its first) gets None values
+                given = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                self.prompt_entries[choice] = [TokenLogprobs(t, None, None) if lp is None else lp
+                                               for t, lp in zip(out.prompt_token_ids, given)]
+            logprobs = self.prompt_entries[choice] + out.logprobs
         return dataclasses.replace(out, text=self.prompt_texts[choice] + out.text, token_ids=out.prompt_token_ids + out.token_ids,
                                    logprobs=logprobs)
 

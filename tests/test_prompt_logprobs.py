@@ -136,6 +136,20 @@ def test_long_prompts_go_through_the_lm_head_in_slices(monkeypatch):
     check_against(hf_prompt_logprobs(hf_model(d), prompt), out, 1)
 
 
+def test_prompt_logprobs_fill_by_position_and_make_entries_when_read():
+    import pickle
+    import numpy as np
+    from nanoserve.engine import PromptLogprobs, TokenLogprobs
+    p = PromptLogprobs([5, 6, 7, 8], num_top=1)
+    assert list(p) == [None] * 4 and len(p) == 4
+    p.fill(1, np.array([-1.0, -2.0], np.float32), np.array([[6, 1], [9, 2]]), np.array([[-1.0, -3.0], [-0.5, -4.0]], np.float32))
+    p.fill(2, np.array([-9.0, -3.0], np.float32), np.array([[0, 0], [8, 0]]), np.array([[-9.0, -9.0], [-3.0, -5.0]], np.float32))
+    assert p[2] == TokenLogprobs(7, -2.0, [(9, -0.5)])  # a recomputed position keeps what it had; the step's top-2 is cut to 1
+    assert p[-1] == TokenLogprobs(8, -3.0, [(8, -3.0)]) and p[0] is None and p[1:3] == [p[1], p[2]]
+    assert pickle.loads(pickle.dumps(p)) == p == list(p) and p != [None] * 4
+    with pytest.raises(IndexError): p[4]
+
+
 # --- refusals --------------------------------------------------------------------------------------------------
 
 def test_prompt_logprobs_are_checked(tmp_path):
