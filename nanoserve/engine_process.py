@@ -13,7 +13,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
                                     drain_deadline, engine_stats, hand_over)
-from .engine import LLMEngine, RequestMetrics, RequestOutput, _tokenizer_or_none
+from .engine import LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class OutputDelta:
     error: str | None = None      # why the engine failed this request, if it did
     metrics: RequestMetrics | None = None  # the request's timings, once it has finished
     num_cached_tokens: int = 0    # prompt tokens the prefix cache held (chapter 10b)
-    prompt_logprobs: list | None = None  # in a request's first delta only, when it asked for them (chapter 11a)
+    prompt_logprobs: PromptLogprobs | None = None  # in a request's first delta only, when it asked for them (chapter 11a)
 
     def __reduce__(self):  # pickled as the constructor's arguments, not as a slotted dataclass's state (timed below)
         return OutputDelta, (self.request_id, self.text_start, self.text, self.token_ids, self.logprobs, self.finished,
@@ -66,7 +66,7 @@ class OutputAssembly(LiveOutput):
     applied: int = 0  # deltas that changed the output
     read: int = 0     # ... of which the stream's reader has seen all by now
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def apply(self, d: OutputDelta):
         "Add a delta's text, tokens and log probabilities; the lists grow in place, and none is copied."

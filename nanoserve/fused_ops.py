@@ -260,6 +260,7 @@ def logprob_rows(logits: torch.Tensor,  # (R, V)
     if token_ids.shape != (R,) or token_ids.dtype != torch.long: raise ValueError(f"token_ids must be ({R},) long; got {tuple(token_ids.shape)} {token_ids.dtype}")
     _check_device(logits, token_ids)
     if logits.stride(-1) != 1: logits = logits.contiguous()
+    token_ids = token_ids.contiguous()  # the kernel reads row r's target at r
     lse, chosen, best_logprob = (torch.empty(R, dtype=torch.float32, device=logits.device) for _ in range(3))
     best = torch.empty(R, dtype=torch.long, device=logits.device)
     if R: _logprob_rows_kernel[(R,)](logits, token_ids, lse, chosen, best, best_logprob, V, logits.stride(0),

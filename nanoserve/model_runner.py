@@ -250,7 +250,7 @@ class LaunchedStep:
     sampled: SamplerOutput   # on the device: the next step can feed these tokens without waiting for them
     host: SamplerOutput      # host copies (pinned on a GPU), complete once `copied` has fired
     copied: object = None    # a torch.cuda.Event, or None on a CPU, where the copies are done already
-    prompt_spans: list = dataclasses.field(default_factory=list)  # (Sequence, first position, count): prompt log probabilities
+    prompt_spans: list = dataclasses.field(default_factory=list)  # prompt_logprob_spans: (Sequence, first position, count, row)
     prompt: SamplerOutput | None = None  # their host copies, one row per position, in the order of prompt_spans
 
     @property

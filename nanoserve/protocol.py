@@ -9,7 +9,8 @@ __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'OpenAIMode
            'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs',
            'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo',
            'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage', 'completion_logprobs', 'chat_logprobs',
-           'new_id', 'Echo', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
+           'new_id', 'joined', 'Echo', 'completion_choice', 'completion_response', 'chat_response', 'chunk',
+           'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
 import codecs, dataclasses, time, uuid
@@ -131,6 +132,8 @@ class CompletionRequest(SamplingRequest):
         if v == 0 and not info.data.get("echo"):
             raise ValueError("max_tokens=0 asks for no completion, which only makes sense with echo: true (the prompt alone, "
                              "with its log probabilities if logprobs is set)")
+        if v == 0 and info.data.get("min_tokens"):  # `min_tokens` is a field of SamplingRequest, declared before
+            raise ValueError(f"max_tokens=0 with min_tokens={info.data['min_tokens']}: no completion has at least one token")
         return v
 
     @field_validator("best_of")
@@ -339,8 +342,11 @@ def usage(outs: list, n: int = 1) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
-def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, text_offset: int = 0) -> dict | None:
-    "Completions-style log probabilities of tokens [start, end) of `out`; offsets count from `text_offset`."
+def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, text_offset: int = 0,
+                        text: str | None = None) -> dict | None:
+    """Completions-style log probabilities of tokens [start, end) of `out`; offsets count from `text_offset`, where
+    `text`, what these tokens show, starts. A special token is as wide as its name where `text` shows that name, and
+    else takes no room: a BOS token that the tokenizer added to a prompt, an end token that the text leaves out."""
     if out.logprobs is None: return None
     lps = out.logprobs[start:end]
     named = [token_text_and_bytes(tokenizer, lp.token_id) for lp in lps]
@@ -348,7 +354,11 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     characters = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes may come in several tokens
     for lp in out.logprobs[max(0, start - 3):start]:  # a chunk may start inside a character: the bytes it started with
         characters.decode(token_text_and_bytes(tokenizer, lp.token_id)[1])  # were sent, its text was not (12c holds it back)
-    for _, raw in named: offsets.append(at); at += len(characters.decode(raw))  # where each token's text starts
+    special = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
+    for lp, (name, raw) in zip(lps, named):  # where each token's text starts
+        offsets.append(at)
+        if lp.token_id not in special: at += len(characters.decode(raw))
+        elif text is not None and text.startswith(name, at - text_offset): at += len(name)
     top = [None if lp.top is None else {token_text(tokenizer, t): v for t, v in lp.top} for lp in lps]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top, "text_offset": offsets}
 
@@ -362,37 +372,46 @@ def chat_logprobs(out: RequestOutput, tokenizer, start: int, end: int) -> dict |
 # %% ../chapters/12b_protocol.ipynb #1f72aab9
 def new_id(prefix: str) -> str: return f"{prefix}-{uuid.uuid4().hex}"
 
+def joined(first: dict | None, second: dict | None) -> dict | None:
+    "Two runs of completions-style log probabilities, one after the other (None without logprobs)."
+    return None if first is None else {key: first[key] + second[key] for key in first}
+
 @dataclasses.dataclass
 class Echo:
-    """A completion's `echo`: what each choice shows is its prompt, then its completion, in the text and, with
-    `logprobs`, in the log probabilities. `generated=False` (max_tokens 0) drops the one token the engine drew."""
+    """A completion's `echo`: each choice starts with its prompt, in the text and, with `logprobs`, in the log
+    probabilities (its first token has none). `generated=False` (max_tokens 0) drops the one token the engine drew."""
     prompt_texts: list      # per choice, prompt-major as the choices are
     generated: bool = True
-    prompt_entries: dict = dataclasses.field(default_factory=dict, repr=False)  # choice -> its prompt's TokenLogprobs
+    prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # choice -> (its prompt's text, log probabilities)
 
     def counted(self, out: RequestOutput) -> RequestOutput:
-        "The output as usage counts it: without the drawn token when nothing was to be generated."
+        "The output as a choice holds it, and as usage counts it: without the drawn token when nothing was to be generated."
         if self.generated: return out
         reason = out.finish_reason if out.finish_reason == "abort" else "length" if out.finished else None
         return dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [], finish_reason=reason)
 
-    def shown(self, choice: int, out: RequestOutput) -> RequestOutput:
-        "The output as choice `choice` shows it: the prompt's text, tokens and log probabilities first."
-        out, logprobs = self.counted(out), None
-        if out.logprobs is not None:  # made once per choice: a stream shows every output of it
-            if choice not in self.prompt_entries:  # a prompt token without a log probability (its first) gets None values
+    def prompt(self, choice: int, out: RequestOutput, tokenizer) -> tuple:
+        "(text, completions-style log probabilities or None) of choice `choice`'s prompt; made once per choice, for a stream too."
+        if choice not in self.prompts:
+            text, logprobs = self.prompt_texts[choice], None
+            if out.logprobs is not None:  # a prompt token without a log probability (its first) gets None values
                 given = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                self.prompt_entries[choice] = [TokenLogprobs(t, None, None) if lp is None else lp
-                                               for t, lp in zip(out.prompt_token_ids, given)]
-            logprobs = self.prompt_entries[choice] + out.logprobs
-        return dataclasses.replace(out, text=self.prompt_texts[choice] + out.text, token_ids=out.prompt_token_ids + out.token_ids,
-                                   logprobs=logprobs)
+                entries = [TokenLogprobs(t, None, None) if lp is None else lp for t, lp in zip(out.prompt_token_ids, given)]
+                logprobs = completion_logprobs(dataclasses.replace(out, logprobs=entries), tokenizer, 0, len(entries), 0, text)
+            self.prompts[choice] = text, logprobs
+        return self.prompts[choice]
+
+def completion_choice(out: RequestOutput, tokenizer, index: int, echo: Echo | None = None) -> dict:
+    "Choice `index` of a finished completion; with `echo`, its prompt first (the completion's offsets count from its end)."
+    if echo is not None: out = echo.counted(out)
+    prompt_text, prompt_logprobs = ("", None) if echo is None else echo.prompt(index, out, tokenizer)
+    logprobs = completion_logprobs(out, tokenizer, 0, len(out.token_ids), len(prompt_text), out.text)
+    return {"index": index, "text": prompt_text + out.text, "finish_reason": out.finish_reason,
+            "logprobs": logprobs if echo is None else joined(prompt_logprobs, logprobs)}
 
 def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1, echo: Echo | None = None) -> dict:
     "The body of a finished, non-streamed completion: one choice per output, `n` per prompt, in order; `echo`: with the prompts."
-    shown = outs if echo is None else [echo.shown(i, out) for i, out in enumerate(outs)]
-    choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": completion_logprobs(out, tokenizer, 0, len(out.token_ids))} for i, out in enumerate(shown)]
+    choices = [completion_choice(out, tokenizer, i, echo) for i, out in enumerate(outs)]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outs if echo is None else [echo.counted(out) for out in outs], n)}
 
@@ -411,7 +430,7 @@ def chunk(rid: str, model: str, created: int, chat: bool, choices: list, usage: 
 
 def completion_delta(out: RequestOutput, tokenizer, text: str, start: int, end: int, text_offset: int, index: int = 0) -> dict:
     "Choice `index` of a completion chunk: new text, the log probabilities of tokens [start, end), the finish reason once done."
-    return {"index": index, "text": text, "logprobs": completion_logprobs(out, tokenizer, start, end, text_offset),
+    return {"index": index, "text": text, "logprobs": completion_logprobs(out, tokenizer, start, end, text_offset, text),
             "finish_reason": out.finish_reason if out.finished else None}
 
 def chat_delta(out: RequestOutput | None, tokenizer, delta: dict, start: int = 0, end: int = 0, index: int = 0) -> dict:

@@ -26,7 +26,7 @@ from .engine import RequestOutput
 from .loader import DEFAULT_MODEL
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Echo,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
-                                completion_delta, completion_response, new_id, sampling_params, token_budget, usage)
+                                completion_delta, completion_response, joined, new_id, sampling_params, token_budget, usage)
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +211,15 @@ async def completion_events(outputs: list, rid: str, model: str, tokenizer, incl
     async with contextlib.aclosing(tagged(outputs)) as choices:
         try:
             async for i, out in choices:
-                last[i] = out if echo is None else echo.counted(out)
-                if echo is not None: out = echo.shown(i, out)  # the first chunk of a choice brings its prompt
+                if echo is not None: out = echo.counted(out)
+                prompt_text, prompt_logprobs = ("", None) if echo is None else echo.prompt(i, out, tokenizer)
                 text, end = out.text[sent_text[i]:], len(out.token_ids)
                 if end > sent_tokens[i] or out.finished:
-                    delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, sent_text[i], i)
+                    delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, len(prompt_text) + sent_text[i], i)
+                    if echo is not None and last[i] is None:  # a choice's first chunk brings its prompt
+                        delta["text"], delta["logprobs"] = prompt_text + delta["text"], joined(prompt_logprobs, delta["logprobs"])
                     yield sse(chunk(rid, model, created, False, [delta]))
-                sent_text[i], sent_tokens[i] = len(out.text), end
+                sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
             return
@@ -336,11 +338,23 @@ class OpenAIServer:
         encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
         return [next(encoded) if isinstance(p, str) else list(p) for p in req.prompts]
 
-    def prompt_texts(self, req: CompletionRequest, prompts: list) -> list:
-        "What `echo` returns of each prompt: a string as it came, token ids as the tokenizer decodes them."
+    def check_echo(self, req: CompletionRequest, prompts: list):
+        "Refuse an `echo` that cannot be answered: token ids without a tokenizer, or a prompt with no room for the drawn token."
         if self.tokenizer is None and any(not isinstance(p, str) for p in req.prompts):
             raise InvalidRequest("This model has no tokenizer, so echo cannot turn token ids back into text.", "echo")
-        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+        limit = min(self.max_model_len, self.kv_capacity)
+        longest = max(map(len, prompts))
+        if req.max_tokens == 0 and longest >= limit:
+            raise InvalidRequest(f"This server takes at most {limit} tokens per request, and max_tokens 0 still needs one "
+                                 f"position after the prompt: the engine computes a token there, which is dropped. However, "
+                                 f"your prompt has {longest} tokens. Please reduce the length of the prompt.", "prompt")
+
+    async def prompt_texts(self, req: CompletionRequest, prompts: list) -> list:
+        "What `echo` returns of each prompt: a string as it came, token ids decoded (off the event loop), special tokens left out."
+        if all(isinstance(p, str) for p in req.prompts): return list(req.prompts)
+        decoded = await asyncio.to_thread(lambda: [None if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+                                                   for p, ids in zip(req.prompts, prompts)])
+        return [p if isinstance(p, str) else text for p, text in zip(req.prompts, decoded)]
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
         "The token ids of a conversation, rendered with the model's chat template (off the event loop)."
@@ -419,10 +433,15 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "Complete a prompt (OpenAI's legacy completions API); with `stream: true`, as server-sent events."
         server.check_model(req.model)
         prompts = await server.completion_prompts(req)
-        echo = Echo([t for t in server.prompt_texts(req, prompts) for _ in range(req.n)], req.max_tokens != 0) if req.echo else None
+        if req.echo: server.check_echo(req, prompts)
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo alone: the engine draws one token, which is dropped
         streams = await server.start(prompts, req, max_tokens, "max_tokens", "prompt")
         rid, abort = new_id("cmpl"), functools.partial(server.abort_unless_finished, streams)
+        echo = None
+        if req.echo:  # the prompts passed the engine's checks: token ids decode
+            try: texts = await server.prompt_texts(req, prompts)
+            except BaseException: abort(); raise  # cancelled (a client gone): the requests must not run on unread
+            echo = Echo([text for text in texts for _ in range(req.n)], req.max_tokens != 0)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
             return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n, echo), abort)

@@ -4,12 +4,13 @@ engine process each end their requests with the right error; the server runs on 
 import asyncio, os, pickle, re, signal, socket, subprocess, sys, time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.async_engine import EngineOverloaded, EngineStopped, RequestFailed, RequestStream
-from nanoserve.engine import RequestMetrics, TokenLogprobs
+from nanoserve.engine import PromptLogprobs, RequestMetrics, TokenLogprobs
 from nanoserve.engine_process import DeltaTracker, EngineProcess, OutputAssembly, OutputDelta
 from nanoserve.loader import DEFAULT_MODEL
 from nanoserve.server import make_server, run_in_thread
@@ -159,8 +160,10 @@ def test_the_engine_process_takes_outputs_without_copies():
 
 def test_output_delta_pickles_to_itself():
     "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
+    scored = PromptLogprobs([4, 5], 1)
+    scored.fill(1, np.array([-2.5], np.float32), np.array([[9]]), np.array([[-0.25]], np.float32))
     d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",
-                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32, [None, TokenLogprobs(5, -2.5, [(9, -0.25)])])
+                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32, scored)
     assert pickle.loads(pickle.dumps(d)) == d
 
 

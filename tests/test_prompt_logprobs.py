@@ -79,14 +79,17 @@ CONFIGS = {  # engine options that change how prompts are computed, never what t
     "preemption": dict(num_kv_blocks=16, block_size=4),
     "one step ahead": dict(async_scheduling=True),
     "chunks, one step ahead": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=8, async_scheduling=True),
+    "a half-done prompt preempted": dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=14,
+                                         block_size=8, async_scheduling=True),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prompt_logprobs_do_not_depend_on_chunks_preemption_or_running_ahead(name):
     d = tiny_model_dir("llama")
-    prompts = random_prompts((30, 7, 45, 12), seed=1)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    prompts = random_prompts((60, 50, 70, 40) if name == "a half-done prompt preempted" else (30, 7, 45, 12), seed=1)
+    params = SamplingParams(temperature=0, max_tokens=30 if name == "a half-done prompt preempted" else 12, ignore_eos=True,
+                            prompt_logprobs=2)
     base = dict(max_model_len=128, device="cpu", dtype="float32", enable_prefix_caching=False)
     ref = LLM(d, **base, num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
     llm = LLM(d, **{**base, "num_kv_blocks": 128, **CONFIGS[name]})
@@ -94,7 +97,7 @@ def test_prompt_logprobs_do_not_depend_on_chunks_preemption_or_running_ahead(nam
     for a, b in zip(ref, outs):
         assert a.token_ids == b.token_ids
         assert_same(a, b)
-    if name == "preemption": assert sum(o.metrics.num_preemptions for o in outs) > 0  # the case is not vacuous
+    if "preempt" in name: assert sum(o.metrics.num_preemptions for o in outs) > 0  # the case is not vacuous
 
 
 def test_a_request_with_prompt_logprobs_shares_no_cached_blocks_but_names_its_own():

@@ -5,6 +5,7 @@ import asyncio, json, logging, os, re, shutil, signal, socket, subprocess, sys, 
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import schemathesis
@@ -318,15 +319,50 @@ def test_echo_streams_and_takes_token_ids_and_many_prompts(client, url, referenc
     assert [e["choices"][0]["text"] for e in events] == [prompt] and events[0]["choices"][0]["finish_reason"] == "length"
 
 
-def test_echo_of_token_ids_needs_a_tokenizer():
+def test_echo_of_token_ids_needs_a_tokenizer_and_room_for_the_drawn_token():
     from types import SimpleNamespace
     from nanoserve.protocol import CompletionRequest, InvalidRequest
     from nanoserve.server import OpenAIServer
-    no_tokenizer = SimpleNamespace(tokenizer=None)
-    assert OpenAIServer.prompt_texts(no_tokenizer, CompletionRequest(prompt="hi", echo=True), [[1]]) == ["hi"]
+    server = SimpleNamespace(tokenizer=None, max_model_len=8, kv_capacity=100)
+    OpenAIServer.check_echo(server, CompletionRequest(prompt="hi", echo=True), [[1]])  # a string is echoed as it came
     with pytest.raises(InvalidRequest, match="no tokenizer, so echo cannot") as e:
-        OpenAIServer.prompt_texts(no_tokenizer, CompletionRequest(prompt=[5, 6], echo=True), [[5, 6]])
+        OpenAIServer.check_echo(server, CompletionRequest(prompt=[5, 6], echo=True), [[5, 6]])
     assert e.value.param == "echo"
+    OpenAIServer.check_echo(server, CompletionRequest(prompt="x", echo=True, max_tokens=0), [[1] * 7])
+    with pytest.raises(InvalidRequest, match="max_tokens 0 still needs one position after the prompt.*your prompt has 8 tokens") as e:
+        OpenAIServer.check_echo(server, CompletionRequest(prompt="x", echo=True, max_tokens=0), [[1] * 8])
+    assert e.value.param == "prompt"
+    with pytest.raises(ValueError, match="max_tokens=0 with min_tokens=2"):
+        CompletionRequest(prompt="x", echo=True, max_tokens=0, min_tokens=2)
+
+
+def test_echo_offsets_give_a_bos_token_no_room_and_a_stream_the_same_offsets():
+    "Llama 3's tokenizer puts a BOS token before every prompt, which the echoed text does not show."
+    import asyncio
+    from nanoserve.engine import PromptLogprobs, RequestMetrics, RequestOutput, TokenLogprobs
+    from nanoserve.protocol import Echo, completion_response
+    from nanoserve.server import completion_events
+    from nanoserve.tokenizer import load_tokenizer
+    tok = load_tokenizer()
+    bos, text = tok.token_to_id("<|im_start|>"), "Hello world again"
+    ids = [bos] + tok.encode(text)
+    scored = PromptLogprobs(ids, 1)
+    scored.fill(1, np.full(len(ids) - 1, -1.0, np.float32), np.array([[t] for t in ids[1:]]), np.full((len(ids) - 1, 1), -1.0, np.float32))
+    gen = tok.encode(" and again")
+    outs = [RequestOutput("r", text, ids, tok.decode(gen[:k]), gen[:k], k == len(gen), "length" if k == len(gen) else None,
+                          RequestMetrics(0.0), [TokenLogprobs(t, -0.5, [(t, -0.5)]) for t in gen[:k]], prompt_logprobs=scored)
+            for k in range(1, len(gen) + 1)]
+    whole = completion_response("c", "m", [outs[-1]], tok, echo=Echo([text]))["choices"][0]
+    lp = whole["logprobs"]
+    assert whole["text"] == text + outs[-1].text and lp["text_offset"][:2] == [0, 0]  # the BOS token is no character wide
+    for token, at in zip(lp["tokens"][1:], lp["text_offset"][1:]): assert whole["text"][at:].startswith(token)
+    async def stream():
+        async def outputs():
+            for out in outs: yield out
+        return [e async for e in completion_events([outputs()], "c", "m", tok, False, echo=Echo([text]))]
+    chunks = [json.loads(e[6:]) for e in asyncio.run(stream()) if e.startswith("data: {")]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"] and "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
 
 
 def test_chat_logprobs(client):
