@@ -13,7 +13,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
                                     drain_deadline, engine_stats, hand_over)
-from .engine import LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none
+from .engine import LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none, fewer_collections
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +115,20 @@ class EngineLoop:
     def run(self):
         "Take commands, step while there is work, wait on the pipe while there is none; until drained."
         try:
-            while not self.drained():
-                self.take_commands(wait=not self.engine.has_unfinished() and self.drain_until is None)
-                if self.engine.has_unfinished(): self.step()
-                self.flush()
-            self.close()
+            with fewer_collections():  # the process is the engine: it collects as LLM.generate does (chapter 11b)
+                self.loop()
         except (EOFError, BrokenPipeError, ConnectionResetError): pass  # the client has gone: nobody to tell
         finally:
             self.outgoing.put(None)
             self.sender.join()  # everything queued is written (or the pipe is gone) before the process ends
+
+    def loop(self):
+        "run's loop: commands in, a step, messages out; then the closing message."
+        while not self.drained():
+            self.take_commands(wait=not self.engine.has_unfinished() and self.drain_until is None)
+            if self.engine.has_unfinished(): self.step()
+            self.flush()
+        self.close()
 
     def send_queued(self):
         "The sender thread: write the queued messages to the pipe in order. A full pipe stops this thread, not the steps."

@@ -269,6 +269,17 @@ def test_logprobs(default_llm):
     assert default_llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].logprobs is None
 
 
+def test_generate_collects_less_often_while_it_steps_and_restores_the_thresholds(monkeypatch):
+    import gc
+    from nanoserve import engine as engine_module
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=16, device="cpu")
+    seen, step = [], llm.llm_engine.step
+    monkeypatch.setattr(llm.llm_engine, "step", lambda: (seen.append(gc.get_threshold()[0]), step())[1])
+    before = gc.get_threshold()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert set(seen) == {engine_module.ENGINE_GC_THRESHOLD} and gc.get_threshold() == before
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(default_llm):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, 3)]
     prompts = ["Once upon a time", "The weather today", "My favourite food"]

@@ -507,9 +507,9 @@ def test_a_request_that_fails_in_the_engine_fails_alone(served, client, referenc
     url, engine = served
     poison, unaddable = [13, 13, 13, 13, 42], [13, 13, 13, 13, 43]
     original, original_add = engine.engine._record_token, engine.engine.add_request
-    def faulty(req, row, sampled):
+    def faulty(req, row, logprobs):
         if req.seq.prompt_token_ids == poison: raise RuntimeError("injected fault")
-        return original(req, row, sampled)
+        return original(req, row, logprobs)
     def faulty_add(request_id, prompt, params=None, **kw):
         if prompt == unaddable: raise RuntimeError("injected fault while adding")
         return original_add(request_id, prompt, params, **kw)
