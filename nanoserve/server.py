@@ -11,7 +11,7 @@ __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E
            'run_in_thread', 'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
-import asyncio, contextlib, functools, gc, hmac, json, logging, re, signal, socket, threading, time
+import asyncio, contextlib, functools, hmac, json, logging, re, signal, socket, threading, time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
-from .engine import RequestOutput
+from .engine import RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Echo,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
@@ -609,19 +609,17 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     "Serve a model until SIGTERM or Ctrl-C (`nanoserve serve`); returns 0 after a clean shutdown, 1 if the engine died."
     sockets = listen(host, port)
     saved_handlers = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
-    saved_gc, server = gc.get_threshold(), None
+    server = None
     try:
         server = make_server(model, host, port, **options)
         for sig in saved_handlers: signal.signal(sig, server.handle_exit)  # see above; uvicorn installs the same while it runs
-        gc.set_threshold(SERVER_GC_THRESHOLD, *saved_gc[1:])  # while it serves; the text above says why
         log.info("serving %s with OpenAI's API at %s/v1 (docs at /docs, metrics at /metrics)",
                  server.config.app.state.server.model_name, socket_url(sockets[0]))
-        server.run(sockets=sockets)
+        with fewer_collections(SERVER_GC_THRESHOLD): server.run(sockets=sockets)  # while it serves; the text above says why
     finally:
         if server is not None: server.engine.shutdown(0)  # nothing to do after a clean stop; else nothing is left running
         for sock in sockets: sock.close()
         for sig, handler in saved_handlers.items(): signal.signal(sig, handler)
-        gc.set_threshold(*saved_gc)
     return 1 if server.engine.error is not None else 0  # a dead engine is a failure the supervisor should see
 
 @contextlib.contextmanager
