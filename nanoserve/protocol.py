@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'OpenAIModel', 'StreamOptions', 'only_accepted',
-           'SamplingRequest', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'InvalidRequest',
+           'SamplingRequest', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ChatCompletionRequest',
+           'TokenizeRequest', 'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest',
            'token_budget', 'choice_seed', 'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs',
            'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs',
            'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo',
@@ -196,6 +197,43 @@ class ChatCompletionRequest(SamplingRequest):
     def _needs_logprobs(cls, v, info):
         if v and not info.data.get("logprobs"): raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+# %% ../chapters/12b_protocol.ipynb #tk12b002
+class TokenizeRequest(OpenAIModel):
+    "The body of POST /tokenize (vLLM's): a prompt, or a conversation to render with the chat template."
+    model: str | None = None
+    prompt: str | None = None
+    messages: Items[ChatMessage] | None = Field(None, min_length=1, validate_default=True)
+    add_special_tokens: StrictBool | None = None  # None: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: StrictBool = True      # messages: end with the assistant's turn opening
+    return_token_strs: StrictBool = False         # each token's text too
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(cls, v, info):  # `prompt` is declared before `messages`, so it is in info.data
+        if ("prompt" in info.data and info.data["prompt"] is not None) == (v is not None):
+            raise ValueError("give either a prompt or messages: one of them, not both")
+        return v
+
+class DetokenizeRequest(OpenAIModel):
+    "The body of POST /detokenize (vLLM's)."
+    model: str | None = None
+    tokens: Items[StrictInt]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        if any(t < 0 for t in v): raise ValueError("token ids must be >= 0")
+        return v
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 # %% ../chapters/12b_protocol.ipynb #9b4d0af6
 class InvalidRequest(ValueError):

@@ -24,7 +24,8 @@ from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
 from .engine import RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Echo,
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                                DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
                                 completion_delta, completion_response, joined, new_id, sampling_params, token_budget, usage)
 
@@ -357,15 +358,43 @@ class OpenAIServer:
         return [p if isinstance(p, str) else text for p, text in zip(req.prompts, decoded)]
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
-        "The token ids of a conversation, rendered with the model's chat template (off the event loop)."
+        "The token ids of a chat completion's conversation."
+        return await self.chat_ids(req.messages)
+
+    async def chat_ids(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list:
+        "The token ids of a conversation (ChatMessages), rendered with the model's chat template (off the event loop)."
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequest("This model has no chat template: use /v1/completions with a plain prompt.", "messages")
-        messages = [m.as_dict() for m in req.messages]
+        messages = [m.as_dict() for m in messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
-        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)  # the prompt's text
+        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt)  # the prompt's text
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
         self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def tokenize(self, req: TokenizeRequest) -> list:
+        "The token ids of a /tokenize request: its prompt, or its conversation rendered with the chat template."
+        if req.messages is not None: return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+        if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.", "prompt")
+        self.check_text(req.prompt, "prompt")
+        self.check_chars(len(req.prompt), "prompt")
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        return await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens=special)
+
+    async def detokenize(self, tokens: list) -> str:
+        "The text of token ids (off the event loop), after checking them against the vocabulary."
+        if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer, so token ids cannot become text.", "tokens")
+        vocab = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        if any(t >= vocab for t in tokens):
+            raise InvalidRequest(f"Token id {next(t for t in tokens if t >= vocab)} is not in this model's vocabulary of "
+                                 f"{vocab} tokens.", "tokens")
+        return await asyncio.to_thread(self.tokenizer.decode, tokens)
+
+    def tokenizer_info(self) -> dict:
+        "The tokenizer's named special tokens, its chat template, and the longest request (vLLM's /tokenizer_info)."
+        if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.")
+        return {**self.tokenizer.special_tokens, "chat_template": self.tokenizer.chat_template,
+                "model_max_length": min(self.max_model_len, self.kv_capacity)}
 
     async def start(self, prompts: list, req, max_tokens: int | None, param: str, prompt_param: str) -> list:
         """Queue `req.n` choices of each prompt, each an engine request (after checking the lengths against the context
@@ -447,6 +476,25 @@ def add_routes(app: FastAPI, server: OpenAIServer):
             return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n, echo), abort)
         outs = await final_outputs(outputs, request, abort)
         return Response(status_code=499) if outs is None else completion_response(rid, server.model_name, outs, server.tokenizer, req.n, echo)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=error_docs)
+    async def tokenize(req: TokenizeRequest):
+        "Token ids of a prompt, or of a conversation rendered with the chat template (vLLM's /tokenize)."
+        server.check_model(req.model)
+        ids = await server.tokenize(req)
+        strs = [server.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": min(server.max_model_len, server.kv_capacity), "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_docs)
+    async def detokenize(req: DetokenizeRequest):
+        "The text of token ids (vLLM's /detokenize)."
+        server.check_model(req.model)
+        return {"prompt": await server.detokenize(req.tokens)}
+
+    @app.get("/tokenizer_info", responses=error_docs)
+    async def tokenizer_info():
+        "The special tokens and chat template, for clients that tokenize through the server (vLLM's /tokenizer_info)."
+        return server.tokenizer_info()
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=error_docs)
     async def chat_completions(req: ChatCompletionRequest, request: Request):

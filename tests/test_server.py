@@ -365,6 +365,28 @@ def test_echo_offsets_give_a_bos_token_no_room_and_a_stream_the_same_offsets():
     assert offsets == lp["text_offset"] and "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
 
 
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(url, reference):
+    "The endpoints lm-evaluation-harness's remote tokenizer uses: /tokenizer_info, then /tokenize and /detokenize."
+    tok = reference["llm"].get_tokenizer()
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+    r = httpx.post(f"{url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+    assert r["token_strs"] == [tok.backend.id_to_token(t) for t in r["tokens"]]
+    eos = httpx.post(f"{url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tok.token_to_id("<|im_end|>")]  # how lm-evaluation-harness finds the end-of-sequence id
+    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert chat == tok.apply_chat_template(CHAT, tokenize=True) == reference["chat"].prompt_token_ids
+    opened = httpx.post(f"{url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    assert chat[:len(opened)] == opened and len(opened) < len(chat)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPTS[0]}
+    for path, body, param in (("/detokenize", {"tokens": [1, 49152]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages"), ("/tokenize", {}, "messages"),
+                              ("/tokenize", {"prompt": "x" * 10**7}, None), ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
+        bad = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert bad.status_code in (400, 404, 413) and (param is None or bad.json()["error"]["param"] == param), (path, body, bad.text)
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0,
                                        logprobs=True, top_logprobs=2)
