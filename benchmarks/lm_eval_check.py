@@ -20,7 +20,7 @@ def main(path: str):
         sample = json.loads(line)
         for arg, resp in zip(sample["arguments"].values(), sample["resps"]):
             context, answer = arg["arg_0"], arg["arg_1"]
-            ids, start = tok.encode(context + answer), len(tok.encode(context))
+            ids, start = tok.encode(context + answer, add_special_tokens=False), len(tok.encode(context, add_special_tokens=False))
             with torch.no_grad(): logp = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
             reference = sum(logp[p - 1, ids[p]].item() for p in range(start, len(ids)))
             rows.append({"context": context, "answer": answer, "lm_eval": float(resp[0][0]), "transformers": reference})

@@ -384,9 +384,10 @@ ENGINE_GC_THRESHOLD = 50_000  # allocations between collections of Python's youn
 
 @contextlib.contextmanager
 def fewer_collections(threshold: int = ENGINE_GC_THRESHOLD):
-    "Collect Python's youngest objects every `threshold` allocations, then go back to the thresholds that were set."
+    """Collect Python's youngest objects every `threshold` allocations, then go back to the thresholds that were set.
+    A higher threshold set before stays, and so does 0 (automatic collection off)."""
     saved = gc.get_threshold()
-    gc.set_threshold(threshold, *saved[1:])
+    gc.set_threshold(max(threshold, saved[0]) if saved[0] else 0, *saved[1:])
     try: yield
     finally: gc.set_threshold(*saved)
 

@@ -38,7 +38,8 @@ MAX_STOPS = 16  # stop strings, and stop token ids, a request may give: each is 
 MAX_N = 128          # choices per prompt (`n`), OpenAI's limit
 MAX_CHOICES = 2048   # choices of one request, prompts times n: OpenAI's limit on a list of prompts
 
-ACCEPTED = {"suffix": "", "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # the one value each may have
+ACCEPTED = {"suffix": "", "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+            "continue_final_message": False, "chat_template": None, "chat_template_kwargs": None}  # the one value each may have
 
 def only_accepted(cls, value, info):
     "Validator for the fields in ACCEPTED: refuse any other value, by name."
@@ -206,7 +207,15 @@ class TokenizeRequest(OpenAIModel):
     messages: Items[ChatMessage] | None = Field(None, min_length=1, validate_default=True)
     add_special_tokens: StrictBool | None = None  # None: True for a prompt, False for messages (the template has them)
     add_generation_prompt: StrictBool = True      # messages: end with the assistant's turn opening
-    return_token_strs: StrictBool = False         # each token's text too
+    return_token_strs: StrictBool = False         # each token's vocabulary string too
+    continue_final_message: StrictBool = False    # vLLM's options for messages that this server does not take:
+    chat_template: str | None = None              # refused unless left at their defaults, so that no client
+    chat_template_kwargs: dict | None = None      # counts tokens for a rendering it did not get
+    tools: list | None = None
+
+    _accepted_here = field_validator("continue_final_message", "chat_template", "chat_template_kwargs", "tools")(classmethod(only_accepted))
+    _null_is_default_here = field_validator("add_generation_prompt", "return_token_strs", "continue_final_message",
+                                            mode="before")(SamplingRequest._null_is_default.__func__)
 
     @field_validator("messages")
     @classmethod

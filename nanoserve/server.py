@@ -343,7 +343,7 @@ class OpenAIServer:
         "Refuse an `echo` that cannot be answered: token ids without a tokenizer, or a prompt with no room for the drawn token."
         if self.tokenizer is None and any(not isinstance(p, str) for p in req.prompts):
             raise InvalidRequest("This model has no tokenizer, so echo cannot turn token ids back into text.", "echo")
-        limit = min(self.max_model_len, self.kv_capacity)
+        limit = self.longest_request
         longest = max(map(len, prompts))
         if req.max_tokens == 0 and longest >= limit:
             raise InvalidRequest(f"This server takes at most {limit} tokens per request, and max_tokens 0 still needs one "
@@ -361,40 +361,49 @@ class OpenAIServer:
         "The token ids of a chat completion's conversation."
         return await self.chat_ids(req.messages)
 
-    async def chat_ids(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list:
+    async def chat_ids(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                       check_length: bool = True) -> list:
         "The token ids of a conversation (ChatMessages), rendered with the model's chat template (off the event loop)."
         if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise InvalidRequest("This model has no chat template: use /v1/completions with a plain prompt.", "messages")
+            raise InvalidRequest("This model has no chat template: send a plain prompt instead of messages.", "messages")
         messages = [m.as_dict() for m in messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
         try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt)  # the prompt's text
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
-        self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
+        if check_length: self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def tokenize(self, req: TokenizeRequest) -> list:
-        "The token ids of a /tokenize request: its prompt, or its conversation rendered with the chat template."
-        if req.messages is not None: return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+        """The token ids of a /tokenize request: its prompt, or its conversation rendered with the chat template. Text of
+        any length the body limit lets in: counting a long document's tokens is what a client may want (vLLM's too)."""
+        if req.messages is not None:
+            return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens), check_length=False)
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.", "prompt")
         self.check_text(req.prompt, "prompt")
-        self.check_chars(len(req.prompt), "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens=special)
+
+    async def token_strs(self, ids: list) -> list:
+        "Each token's vocabulary string (off the event loop: a long document has millions)."
+        return await asyncio.to_thread(lambda: [self.tokenizer.backend.id_to_token(i) for i in ids])
 
     async def detokenize(self, tokens: list) -> str:
         "The text of token ids (off the event loop), after checking them against the vocabulary."
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer, so token ids cannot become text.", "tokens")
-        vocab = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in tokens):
             raise InvalidRequest(f"Token id {next(t for t in tokens if t >= vocab)} is not in this model's vocabulary of "
                                  f"{vocab} tokens.", "tokens")
         return await asyncio.to_thread(self.tokenizer.decode, tokens)
 
     def tokenizer_info(self) -> dict:
-        "The tokenizer's named special tokens, its chat template, and the longest request (vLLM's /tokenizer_info)."
+        "The tokenizer's named special tokens, its chat template if it has one, and the longest request (vLLM's /tokenizer_info)."
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.")
-        return {**self.tokenizer.special_tokens, "chat_template": self.tokenizer.chat_template,
-                "model_max_length": min(self.max_model_len, self.kv_capacity)}
+        template = {} if self.tokenizer.chat_template is None else {"chat_template": self.tokenizer.chat_template}
+        return {**self.tokenizer.special_tokens, **template, "max_model_len": self.longest_request}
+
+    @property
+    def longest_request(self) -> int: return min(self.max_model_len, self.kv_capacity)  # prompt and output, in tokens
 
     async def start(self, prompts: list, req, max_tokens: int | None, param: str, prompt_param: str) -> list:
         """Queue `req.n` choices of each prompt, each an engine request (after checking the lengths against the context
@@ -455,7 +464,7 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "The model card of `name`, if this server serves it (OpenAI's models.retrieve)."
         server.check_model(name)
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanoserve",
-                "max_model_len": min(server.max_model_len, server.kv_capacity)}  # the longest request that can run
+                "max_model_len": server.longest_request}  # the longest request that can run
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=error_docs)
     async def completions(req: CompletionRequest, request: Request):
@@ -482,8 +491,8 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "Token ids of a prompt, or of a conversation rendered with the chat template (vLLM's /tokenize)."
         server.check_model(req.model)
         ids = await server.tokenize(req)
-        strs = [server.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": min(server.max_model_len, server.kv_capacity), "tokens": ids, "token_strs": strs}
+        strs = await server.token_strs(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": server.longest_request, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_docs)
     async def detokenize(req: DetokenizeRequest):

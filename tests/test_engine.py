@@ -278,6 +278,13 @@ def test_generate_collects_less_often_while_it_steps_and_restores_the_thresholds
     before = gc.get_threshold()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert set(seen) == {engine_module.ENGINE_GC_THRESHOLD} and gc.get_threshold() == before
+    try:
+        for user, during in ((0, 0), (10**6, 10**6), (700, engine_module.ENGINE_GC_THRESHOLD)):  # off stays off, higher stays
+            gc.set_threshold(user, *before[1:])
+            with engine_module.fewer_collections(): assert gc.get_threshold()[0] == during
+            with pytest.raises(KeyError), engine_module.fewer_collections(): raise KeyError("a step failed")
+            assert gc.get_threshold() == (user, *before[1:])
+    finally: gc.set_threshold(*before)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(default_llm):

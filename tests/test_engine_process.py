@@ -158,6 +158,22 @@ def test_the_engine_process_takes_outputs_without_copies():
     loop.sender.join()
 
 
+def test_the_engine_process_collects_less_often_while_it_runs():
+    import gc
+    from nanoserve.engine import ENGINE_GC_THRESHOLD
+    from nanoserve.engine_process import EngineLoop
+    class Engine: snapshot_outputs = True
+    class Conn:
+        def send_bytes(self, b): pass
+    loop, seen = EngineLoop(Engine(), Conn()), []
+    def gone():  # the client's end of the pipe closed: run returns quietly
+        seen.append(gc.get_threshold()[0])
+        raise EOFError
+    loop.loop, before = gone, gc.get_threshold()
+    loop.run()
+    assert seen == [max(ENGINE_GC_THRESHOLD, before[0])] and gc.get_threshold() == before and not loop.sender.is_alive()
+
+
 def test_output_delta_pickles_to_itself():
     "OutputDelta's own __reduce__ must carry every field (all set here to values that are not their defaults)."
     scored = PromptLogprobs([4, 5], 1)

@@ -323,7 +323,7 @@ def test_echo_of_token_ids_needs_a_tokenizer_and_room_for_the_drawn_token():
     from types import SimpleNamespace
     from nanoserve.protocol import CompletionRequest, InvalidRequest
     from nanoserve.server import OpenAIServer
-    server = SimpleNamespace(tokenizer=None, max_model_len=8, kv_capacity=100)
+    server = SimpleNamespace(tokenizer=None, longest_request=8)
     OpenAIServer.check_echo(server, CompletionRequest(prompt="hi", echo=True), [[1]])  # a string is echoed as it came
     with pytest.raises(InvalidRequest, match="no tokenizer, so echo cannot") as e:
         OpenAIServer.check_echo(server, CompletionRequest(prompt=[5, 6], echo=True), [[5, 6]])
@@ -369,10 +369,10 @@ def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(url, referen
     "The endpoints lm-evaluation-harness's remote tokenizer uses: /tokenizer_info, then /tokenize and /detokenize."
     tok = reference["llm"].get_tokenizer()
     info = httpx.get(f"{url}/tokenizer_info").json()
-    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == tok.chat_template and info["max_model_len"] == MAX_MODEL_LEN
     r = httpx.post(f"{url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
     assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
-    assert r["token_strs"] == [tok.backend.id_to_token(t) for t in r["tokens"]]
+    assert r["token_strs"] == ["The", "\u0120capital", "\u0120of", "\u0120France", "\u0120is"]  # byte-level BPE: \u0120 is a space
     eos = httpx.post(f"{url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
     assert eos == [tok.token_to_id("<|im_end|>")]  # how lm-evaluation-harness finds the end-of-sequence id
     chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["tokens"]
@@ -382,9 +382,35 @@ def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(url, referen
     assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPTS[0]}
     for path, body, param in (("/detokenize", {"tokens": [1, 49152]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
                               ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages"), ("/tokenize", {}, "messages"),
-                              ("/tokenize", {"prompt": "x" * 10**7}, None), ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
+                              ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
         bad = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert bad.status_code in (400, 404, 413) and (param is None or bad.json()["error"]["param"] == param), (path, body, bad.text)
+
+
+def test_tokenize_takes_long_documents_and_special_tokens_as_asked(url):
+    "Counting a long document's tokens is what /tokenize is for: only the body limit bounds it (a completion refuses such text)."
+    long = "All work and no play makes Jack a dull boy. " * 6000  # 264,000 characters: far more than 512 tokens
+    r = httpx.post(f"{url}/tokenize", json={"prompt": long, "return_token_strs": None}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 50_000 and r.json()["token_strs"] is None
+    assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": long}, timeout=60).status_code == 400
+
+
+def test_tokenize_adds_special_tokens_to_a_prompt_and_not_to_a_conversation():
+    import asyncio
+    from types import SimpleNamespace
+    from nanoserve.protocol import TokenizeRequest
+    from nanoserve.server import OpenAIServer
+    class Tokenizer:  # records what it was asked
+        chat_template = "{{ messages[0].content }}"
+        def encode(self, text, add_special_tokens=True): return [int(add_special_tokens)]
+        def apply_chat_template(self, messages, add_generation_prompt=True): return messages[0]["content"]
+    server = SimpleNamespace(tokenizer=Tokenizer(), check_text=lambda text, param: None, check_chars=lambda n, param: None)
+    server.chat_ids = lambda *a, **k: OpenAIServer.chat_ids(server, *a, **k)
+    ask = lambda **body: asyncio.run(OpenAIServer.tokenize(server, TokenizeRequest(**body)))
+    chat = [{"role": "user", "content": "hi"}]
+    assert (ask(prompt="hi"), ask(prompt="hi", add_special_tokens=False), ask(messages=chat), ask(messages=chat, add_special_tokens=True)) == \
+           ([1], [0], [0], [1])
 
 
 def test_chat_logprobs(client):
