@@ -297,6 +297,24 @@ def test_echo_returns_the_prompt_scored_as_llm_prompt_logprobs(client, reference
     assert more.choices[0].logprobs.text_offset[len(lp.tokens)] == len(prompt)  # the completion starts after the prompt
 
 
+def test_lm_evaluation_harness_reads_an_answers_log_likelihood_as_llm_generate_gives_it(url, reference):
+    """lm-evaluation-harness's local-completions: token ids of context + answer, max_tokens 1, echo, logprobs 1; it sums
+    token_logprobs[ctxlen:-1] (the last is the drawn token) and calls the answer greedy if each is its top_logprobs' best."""
+    tok = reference["llm"].get_tokenizer()
+    context, answers = tok.encode("The capital of France is"), [tok.encode(" Paris"), tok.encode(" a city of light")]
+    body = {"model": MODEL, "prompt": [context + a for a in answers], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    scored = reference["llm"].generate([context + a for a in answers], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                       use_tqdm=False)
+    for choice, answer, want in zip(sorted(reply["choices"], key=lambda c: c["index"]), answers, scored):
+        lp, n = choice["logprobs"], len(context)
+        assert len(lp["token_logprobs"]) == len(context) + len(answer) + 1
+        assert sum(lp["token_logprobs"][n:-1]) == pytest.approx(sum(e.logprob for e in want.prompt_logprobs[n:]), abs=1e-4)
+        greedy = all(v == max(top.values()) for v, top in zip(lp["token_logprobs"][n:-1], lp["top_logprobs"][n:-1]))
+        assert greedy == all(e.token_id == e.top[0][0] for e in want.prompt_logprobs[n:])
+
+
 def test_echo_streams_and_takes_token_ids_and_many_prompts(client, url, reference):
     prompt = PROMPTS[3]
     ids = reference["llm"].get_tokenizer().encode(prompt)
