@@ -401,7 +401,7 @@ def completion_logprobs(out: RequestOutput, tokenizer, start: int, end: int, tex
     characters = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes may come in several tokens
     for lp in out.logprobs[max(0, start - 3):start]:  # a chunk may start inside a character: the bytes it started with
         characters.decode(token_text_and_bytes(tokenizer, lp.token_id)[1])  # were sent, its text was not (12c holds it back)
-    special = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
+    special = tokenizer.special_ids if tokenizer is not None else frozenset()
     for lp, (name, raw) in zip(lps, named):  # where each token's text starts
         offsets.append(at)
         if lp.token_id not in special: at += len(characters.decode(raw))

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
-from .engine import RequestOutput, fewer_collections
+from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
@@ -655,7 +655,7 @@ def listen(host: str, port: int, backlog: int = 2048) -> list:
         raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sockets
 
-SERVER_GC_THRESHOLD = 50_000  # allocations between collections of Python's youngest generation here (default 700)
+SERVER_GC_THRESHOLD = ENGINE_GC_THRESHOLD  # allocations between collections of Python's youngest generation here (default 700)
 
 def _stop_starting(sig, frame):
     "While the model loads: Ctrl-C is KeyboardInterrupt as ever, and SIGTERM ends the process with its usual status, 143."

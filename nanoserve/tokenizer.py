@@ -141,6 +141,7 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         specials = dict.fromkeys([*self.special_tokens.values(), *extra_special_tokens(config)])  # ordered, unique
         self.all_special_ids = [i for i in map(self.token_to_id, specials) if i is not None]
+        self.special_ids = frozenset(self.all_special_ids)  # for membership tests, once
 
     def token_to_id(self, token: str | None) -> int | None:
         "The id of one token string, None if it is not in the vocabulary."
