@@ -1,7 +1,7 @@
 """Where chapter 6b's sampler spends its time over Llama 3's vocabulary: the whole call and its parts, for 1, 8, 64 and 256
-rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects from SELECT_FROM_ROWS rows, else sorts), on
-a GPU, with a torch.profiler table of the top-p call for 256 rows; optionally the engine's output rate with each. Prints
-JSON (the table as text).
+rows, with top-p alone (the filter sorts) and with top-k 50 as well (it selects from SELECT_FROM_ROWS rows, else sorts), and
+each with chapter 9b's search_filter instead, as the engine samples on a GPU; with torch.profiler tables of the top-p call
+for 256 rows, and optionally the engine's output rate with each setting. Prints JSON (the tables as text).
 
     python benchmarks/sampler_profile.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
     python benchmarks/sampler_profile.py --crossover
@@ -32,6 +32,20 @@ def wall_ms(fn, reps: int = 50) -> float:
 SETTINGS = {"top_p": dict(temperature=0.8, top_p=0.95), "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95)}
 
 
+def searching():
+    "Chapter 9b's search_filter, or None in code from before it."
+    try: from nanoserve.fused_ops import search_filter
+    except ImportError: return None
+    return search_filter
+
+
+def profile_table(fn, calls: int = 10) -> str:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls): fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+
+
 def parts(B: int, device) -> dict:
     logits = torch.randn(B, VOCAB, device=device, dtype=torch.bfloat16)
     row = {"batch": B,
@@ -49,12 +63,18 @@ def parts(B: int, device) -> dict:
     row["sort_ms"] = wall_ms(lambda: scaled.sort(dim=-1, descending=True))
     row["topk_50_ms"] = wall_ms(lambda: scaled.topk(50, dim=-1))
     row["race_ms"] = wall_ms(lambda: exponential_race(scaled.softmax(-1)))
+    search = searching()
+    for name, kwargs in SETTINGS.items():
+        if not search: break
+        params = [SamplingParams(**kwargs)] * B
+        t = SamplingTensors.from_params(params, VOCAB, device)
+        row[f"sample_{name}_searched_ms"] = wall_ms(lambda: sample(logits, params, search_filter=search))
+        row[f"search_filter_{name}_ms"] = wall_ms(lambda: search(logits, t.temperature, t.top_k, t.top_p, t.min_p))
+        row[f"search_filter_{name}_float32_ms"] = wall_ms(lambda: search(scaled, torch.ones_like(t.temperature), t.top_k, t.top_p, t.min_p))
     if B == 256:
         params = [SamplingParams(**SETTINGS["top_p"])] * B
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10): sample(logits, params)
-            torch.cuda.synchronize()
-        row["profile_of_10_top_p_calls"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        row["profile_of_10_top_p_calls"] = profile_table(lambda: sample(logits, params))
+        if search: row["profile_of_10_top_p_searched_calls"] = profile_table(lambda: sample(logits, params, search_filter=search))
     return row
 
 

@@ -345,16 +345,22 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     penalized = any(p.penalized for p in params)
     if penalized and self.histories is None: self.histories = TokenHistories(self.device)
     history = self.histories.gather(out.sampled_seqs) if penalized else None
-    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned)
+    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter())
     if penalized: self.histories.append(sampled.token_ids)  # on the device: the next step's gather sees it, in stream order
     host, prompt_host, copied = _copy_to_host(sampled, prompt)
     return LaunchedStep(out, sampled, host, copied, spans, prompt_host)
+
+def _search_filter(self: ModelRunner):
+    "Chapter 9b's search_filter, which finds top-k, top-p and min-p without sorting the vocabulary, on CUDA with fuse_ops; else None."
+    if self.device.type != "cuda" or not self.config.fuse_ops: return None
+    from nanoserve.fused_ops import search_filter  # needs triton, which CPU-only installs may lack
+    return search_filter
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and return its sampled tokens on the host."
     return self.launch(out, blocks, generators).result()
 
-ModelRunner.launch, ModelRunner.execute = _launch, _execute
+ModelRunner.launch, ModelRunner.search_filter, ModelRunner.execute = _launch, _search_filter, _execute
 
 # %% ../chapters/11a_model_runner.ipynb #3a54f316
 @torch.inference_mode()

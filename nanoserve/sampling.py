@@ -297,7 +297,8 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
-           banned: list | None = None) -> SamplerOutput:  # banned: a tuple of token ids per row (stop_tokens), or None
+           banned: list | None = None,  # a tuple of token ids per row (stop_tokens), or None
+           search_filter=None) -> SamplerOutput:  # None, or chapter 9b's search_filter, which does without a sort
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
     if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
@@ -315,15 +316,19 @@ def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHi
     if banning: ban_tokens(edited, banned)
     if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
-    if not all(p.greedy for p in params):
-        scaled = edited.float() / t.temperature[:, None]
-        sampled = [p for p in params if not p.greedy]
-        if any(p.filtered for p in sampled):
-            max_top_k = max(p.top_k_of(logits.shape[-1]) for p in sampled)  # greedy rows' filters are cut to it, unused
-            sorted_logits = None  # dividing by the temperature keeps the order, and 16-bit keys sort in fewer passes
-            if edited.element_size() < 4 and not (max_top_k < logits.shape[-1] and selects(len(logits), max_top_k)):
-                sorted_logits = edited.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
-            scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p, max_top_k, sorted_logits)
+    sampled, V = [p for p in params if not p.greedy], logits.shape[-1]
+    if sampled:
+        filtered = any(p.filtered for p in sampled)
+        if filtered and search_filter is not None:  # filter_logits' kept set, found without sorting
+            scaled = search_filter(edited, t.temperature, t.top_k, t.top_p, t.min_p)
+        else:
+            scaled = edited.float() / t.temperature[:, None]
+            if filtered:
+                max_top_k = max(p.top_k_of(V) for p in sampled)  # greedy rows' filters are cut to it, unused
+                sorted_logits = None  # dividing by the temperature keeps the order, and 16-bit keys sort in fewer passes
+                if edited.element_size() < 4 and not (max_top_k < V and selects(len(logits), max_top_k)):
+                    sorted_logits = edited.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
+                scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p, max_top_k, sorted_logits)
         token_ids = torch.where(t.greedy, token_ids, exponential_race(scaled.softmax(-1), generators))
     return with_logprobs(logits, token_ids, params)
 

@@ -1,15 +1,17 @@
 """Chapter 9b's fused kernels against the PyTorch ops they replace: on CPU under TRITON_INTERPRET=1 (float32 and
 float16), on the GPU in bfloat16 (marked `gpu`), and a fused model against the unfused one."""
+import dataclasses
+
 import pytest
 import torch
 
 from nanoserve import fused_ops
-from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, rms_norm, rope,
-                                 silu_and_mul, token_logprobs_fused, unfuse_small_ops)
+from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, search_filter, rms_norm,
+                                 rope, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
-from nanoserve.sampling import token_logprobs
+from nanoserve.sampling import SamplingParams, TokenHistory, filter_logits, make_generator, sample, token_logprobs
 from nanoserve.testing import tiny_model_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,6 +116,114 @@ def test_logprob_rows_refuses_bad_arguments():
     with pytest.raises(ValueError, match="logits must be a float"): logprob_rows(logits[0], torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match=r"token_ids must be \(3,\) long"): logprob_rows(logits, torch.zeros(3, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match=r"token_ids must be \(3,\) long"): logprob_rows(logits, torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
+def filter_rows(B, V, seed, dtype):
+    "Logits with many ties, banned tokens and a row with one token left, and each row's temperature, top-k, top-p and min-p."
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V, generator=g) * 4).round(decimals=1)
+    logits[:1, ::3] = float("-inf")
+    logits[1:2, 1:] = float("-inf")  # one token that can be drawn
+    temperature = torch.rand(B, generator=g) + 0.3
+    top_k = torch.where(torch.rand(B, generator=g) < 0.5, V, torch.randint(1, V + 1, (B,), generator=g))
+    top_k[:1] = V - V // 4  # past the finite logits: the -inf ones tie for the k-th
+    top_p = torch.rand(B, generator=g)
+    top_p[2:6] = torch.tensor([1.0, 0.0, 1e-30, 0.99])[:max(0, min(4, B - 2))]
+    min_p = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, torch.rand(B, generator=g) * 0.3)
+    min_p[-1:] = 1.0  # only the ties of the best token
+    return (t.to(DEVICE) for t in (logits.to(dtype), temperature, top_k, top_p, min_p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, V, seed", [(8, 3000, 0), (7, 9001, 1), (3, 100, 2), (2, 1, 3), (8, 8192, 4), (0, 50, 5)])
+def test_search_filter_keeps_what_filter_logits_keeps(dtype, B, V, seed):
+    "Rows shorter and longer than a block, and exactly one; ties, -inf, top_k 1 and V, top_p 0 and 1, min_p 1: bit for bit."
+    logits, temperature, top_k, top_p, min_p = filter_rows(B, V, seed, dtype)
+    found = search_filter(logits, temperature, top_k, top_p, min_p)
+    assert found.dtype == torch.float32 and found.shape == (B, V)
+    assert torch.equal(found, filter_logits(logits.float() / temperature[:, None], top_k, top_p, min_p))
+    alone = (torch.full_like(top_k, V), torch.ones_like(top_p), torch.zeros_like(min_p))  # top-k, top-p and min-p each alone
+    for i, each in enumerate([(top_k, *alone[1:]), (alone[0], top_p, alone[2]), (*alone[:2], min_p)]):
+        assert torch.equal(search_filter(logits, temperature, *each), filter_logits(logits.float() / temperature[:, None], *each)), i
+
+
+def thresholds_within_rounding(row: torch.Tensor, k: int, p: float, slack: float = 1e-6) -> set:
+    """The top-k and top-p thresholds a float32 filter may find for `row`: the float64 one by the definition, and its
+    neighbour among the row's values where the decision lies within `slack` of the mass (float32 sums in any order)."""
+    x = row.double()
+    values = x.unique(sorted=True).flip(0).tolist()  # distinct, largest first
+    kth = x.sort(descending=True).values[min(k, len(x)) - 1].item()
+    w = (x - x.max()).exp()
+    total = w[x >= kth].sum().item()
+    margin = {v: w[x > v].sum().item() - p * total for v in values if v >= kth}  # < 0: kept
+    exact = min(v for v, m in margin.items() if m < 0) if p < 1 else kth
+    allowed, i = {exact}, values.index(exact)
+    if i + 1 < len(values) and values[i + 1] in margin and abs(margin[values[i + 1]]) < slack * total: allowed.add(values[i + 1])
+    if i > 0 and abs(margin[exact]) < slack * total: allowed.add(values[i - 1])
+    return allowed
+
+
+def test_search_filter_at_a_cut_within_float32_rounding():
+    "Chapter 6b's review case, where the mass above a tie sits within float32 rounding of top-p: either side, never further."
+    row = ((torch.randn(4, 5000, generator=torch.Generator().manual_seed(0)) * 0.3) * 8).round()[0] / 8  # many ties
+    logits, ones = row.repeat(4, 1).to(DEVICE), torch.ones(4, device=DEVICE)
+    for top_k in (50, 5000):
+        for top_p in (0.023509737104177475, 0.5, 0.9, 0.999999):
+            k, p = torch.full((4,), top_k, device=DEVICE), torch.full((4,), top_p, device=DEVICE)
+            found = search_filter(logits, ones, k, p, 0 * ones)
+            assert (found == found[:1]).all()  # the same row four times: the same cut
+            threshold = found[0][torch.isfinite(found[0])].min().item()
+            assert threshold in thresholds_within_rounding(row, top_k, p[0].item()), (top_k, top_p)
+
+
+def test_search_filter_refuses_bad_arguments():
+    logits, rows = torch.randn(3, 10, device=DEVICE), torch.ones(3, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be a"): search_filter(logits[0], rows, rows, rows, rows)
+    with pytest.raises(ValueError, match="logits must be a"): search_filter(logits.double(), rows, rows, rows, rows)
+    with pytest.raises(ValueError, match=r"top_p must hold one value per row, \(3,\)"): search_filter(logits, rows, rows, rows[:2], rows)
+
+
+def test_sample_with_the_search_filter_draws_what_sorting_draws():
+    "Seeded rows draw the same tokens, with top-k, a bias (a float32 copy) or penalties; a batch with no filter never calls it."
+    logits = (torch.randn(12, 3000, generator=torch.Generator().manual_seed(6)) * 3).to(torch.float16 if DEVICE == "cpu" else torch.bfloat16).to(DEVICE)
+    settings = [(0.7, 0, 0.9, 0), (1.3, 40, 0.5, 0), (1.0, 0, 0.95, 0.05), (0, 5, 0.3, 0), (2.0, 0, 1.0, 0.2), (0.9, 1, 0.8, 0)] * 2
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, logit_bias={5: 2.0} if s == 7 else None)
+              for s, (t, k, p, m) in enumerate(settings)]
+    calls = []
+    def counted(*args):
+        calls.append(args[0].dtype); return search_filter(*args)
+    draw = lambda search, ps=params, history=None: sample(logits, ps, [make_generator(p.seed, DEVICE) for p in ps], history,
+                                                           search_filter=search).token_ids
+    assert torch.equal(draw(counted), draw(None)) and calls == [torch.float32]  # the bias made a float32 copy
+    penalized = [dataclasses.replace(p, logit_bias=None, presence_penalty=0.5) for p in params]
+    history = TokenHistory.from_lists([[1, 2]] * 12, [[3]] * 12, DEVICE)
+    assert torch.equal(draw(counted, penalized, history), draw(None, penalized, history)) and len(calls) == 2
+    plain = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0, logit_bias=None) for p in params]
+    assert torch.equal(draw(counted, plain), draw(None, plain)) and len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_search_filter_over_a_llama_3_vocabulary():
+    logits, temperature, top_k, top_p, min_p = filter_rows(64, 128256, 7, torch.bfloat16)
+    logits = logits + torch.randn(64, 128256, device="cuda").to(torch.bfloat16)  # fewer ties than the rounding leaves
+    for x in (logits, logits.float()):
+        found = search_filter(x, temperature, top_k, top_p, min_p)
+        assert torch.equal(found, filter_logits(x.float() / temperature[:, None], top_k, top_p, min_p))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_samples_with_the_search_filter_as_with_the_sort(monkeypatch):
+    from nanoserve import LLM
+    from nanoserve.model_runner import ModelRunner
+    llm = LLM(tiny_model_dir("llama"), dtype="bfloat16", num_kv_blocks=256, max_model_len=256)
+    params = [SamplingParams(temperature=0.9, top_k=(0, 20)[i % 2], top_p=0.8, max_tokens=16, ignore_eos=True, seed=i) for i in range(6)]
+    prompts = [[1, 2, 3], list(range(10, 60)), [7] * 9] * 2
+    assert llm.llm_engine.runner.search_filter() is search_filter
+    searched = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(ModelRunner, "search_filter", lambda self: None)
+    assert searched == [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_a_wrong_rotation_is_caught():
