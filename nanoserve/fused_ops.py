@@ -13,6 +13,7 @@ import types
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .attention import Attention, causal_attention
 from .kernels import _follow_early, _pdl, interpreting
@@ -280,20 +281,30 @@ SEARCH_NUM_WARPS = 16
 
 @triton.jit
 def _order_key(x, KEY_BITS: tl.constexpr):
-    "An int32 that sorts as the float x does: x's bits, with a negative number's other bits flipped (16-bit floats: 16-bit keys)."
+    "An int32 that sorts as the float x does (16-bit floats: 16-bit keys): x's bits, with a negative number's other bits flipped."
     if KEY_BITS == 16:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32)
         key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
     else:
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return key  # its own inverse: _order_key(key) gives the bits back
+    return tl.where(key == -1, 0, key)  # -0, whose key is -1, equals +0
 
 @triton.jit
-def _search(x_row, V, lo, best, c, goal, KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, COUNT: tl.constexpr):
-    """The key of the smallest logit v with S(x > v) < goal, among the keys from lo up, two bits of it a pass. S counts
-    tokens (COUNT, and the goal is k) or weighs them by e^((x - best) / T) = 2^((x - best) c) (the goal is then a share
-    of the weight of every token from lo up, which the first pass finds)."""
+def _compared(raw, temperature, KEY_BITS: tl.constexpr):
+    """What the search compares, and its key. filter_logits compares x / T: the same order as a 16-bit logit's own
+    (dividing keeps distinct 16-bit values apart in float32), but two float32 logits may round to one x / T."""
+    if KEY_BITS == 16: value, key = raw.to(tl.float32), _order_key(raw, KEY_BITS)
+    else:
+        value = tl.math.div_rn(raw, temperature)  # rounded as PyTorch's x / T
+        key = _order_key(value, KEY_BITS)
+    return value, key
+
+@triton.jit
+def _search(x_row, V, lo, best, c, temperature, goal, KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, COUNT: tl.constexpr):
+    """The key of the smallest compared value v with S(x > v) < goal, among the keys from lo up, two bits of it a pass.
+    S counts tokens (COUNT, and the goal is k) or weighs them by e^((x - best) / T) = 2^((v - best) c) (the goal is then
+    a share of the weight of every token from lo up, which the first pass finds)."""
     span = KEY_BITS  # the keys in question are [lo, lo + 2^span)
     above = 0.0  # S of the tokens whose keys are past the range
     while span > 0:
@@ -306,11 +317,11 @@ def _search(x_row, V, lo, best, c, goal, KEY_BITS: tl.constexpr, BLOCK_V: tl.con
         for v0 in range(0, V, BLOCK_V):
             raw, idx = ahead, v0 + tl.arange(0, BLOCK_V)
             ahead = tl.load(x_row + BLOCK_V + idx, mask=BLOCK_V + idx < V, other=float("-inf"))  # the next logits load while these are weighed
-            key = _order_key(raw, KEY_BITS)
+            value, key = _compared(raw, temperature, KEY_BITS)
             d = (key - lo).to(tl.uint32, bitcast=True)  # the key's place in the range: past 2^31 it wraps, as unsigned it is exact
             inside = (key >= lo) & (d <= last)
             if COUNT: w = tl.where(inside & (idx < V), 1.0, 0.0)  # a -inf logit is a token; padding past V is not
-            else: w = tl.where(inside, tl.exp2((raw.to(tl.float32) - best) * c), 0.0)
+            else: w = tl.where(inside & (value > float("-inf")), tl.exp2((value - best) * c), 0.0)
             a0 += w
             a1 += tl.where(d >= q1, w, 0.0)
             a2 += tl.where(d >= 2 * q1, w, 0.0)
@@ -327,29 +338,31 @@ def _search(x_row, V, lo, best, c, goal, KEY_BITS: tl.constexpr, BLOCK_V: tl.con
 
 @triton.jit
 def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, stride_x, stride_o,
-                          KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr):
+                          KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE: tl.constexpr):
     row, offs = tl.program_id(0), tl.arange(0, BLOCK_V)
     x_row, out_row = x_ptr + row.to(tl.int64) * stride_x, out_ptr + row.to(tl.int64) * stride_o
     temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
-    c = 1.4426950408889634 / temperature  # e^((x - best) / T) = 2^((x - best) c)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # pass 1: the largest logit, and the smallest key
+    c = 1.4426950408889634 / temperature if KEY_BITS == 16 else 1.4426950408889634  # float32 values are x / T already
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # pass 1: the largest compared value, and the smallest key
     low = tl.full([BLOCK_V], 2147483647, tl.int32)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + offs
-        raw = tl.load(x_row + idx, mask=idx < V, other=float("-inf"))
-        m = tl.maximum(m, raw.to(tl.float32))
-        low = tl.minimum(low, tl.where(idx < V, _order_key(raw, KEY_BITS), 2147483647))
+        value, key = _compared(tl.load(x_row + idx, mask=idx < V, other=float("-inf")), temperature, KEY_BITS)
+        m = tl.maximum(m, value)
+        low = tl.minimum(low, tl.where(idx < V, key, 2147483647))
     best = tl.max(m, 0)
     best = tl.where(best > float("-inf"), best, 0.0)  # a row of -inf stays NaN-free
     lo = tl.min(low, 0)  # every token's key is lo or above; the filters raise it
-    if top_k < V: lo = _search(x_row, V, lo, best, c, top_k.to(tl.float32), KEY_BITS, BLOCK_V, True)  # the k-th largest logit
-    if top_p < 1.0: lo = _search(x_row, V, lo, best, c, top_p, KEY_BITS, BLOCK_V, False)  # top-p among the top k
-    min_p, best_scaled = tl.load(min_p_ptr + row), tl.math.div_rn(best, temperature)
+    if top_k < V: lo = _search(x_row, V, lo, best, c, temperature, top_k.to(tl.float32), KEY_BITS, BLOCK_V, True)  # the k-th largest
+    if top_p < 1.0: lo = _search(x_row, V, lo, best, c, temperature, top_p, KEY_BITS, BLOCK_V, False)  # top-p among the top k
+    min_p = tl.load(min_p_ptr + row)
+    best_scaled = tl.math.div_rn(best, temperature) if KEY_BITS == 16 else best
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + offs
         raw = tl.load(x_row + idx, mask=idx < V, other=float("-inf"))
         scaled = tl.math.div_rn(raw.to(tl.float32), temperature)  # rounded as PyTorch's x / T
-        keep = (_order_key(raw, KEY_BITS) >= lo) & (tl.exp(scaled - best_scaled) >= min_p)
+        weight = libdevice.exp(scaled - best_scaled) if LIBDEVICE else tl.exp(scaled - best_scaled)  # PyTorch's expf on a GPU
+        keep = (_compared(raw, temperature, KEY_BITS)[1] >= lo) & (weight >= min_p)
         tl.store(out_row + idx, tl.where(keep, scaled, float("-inf")), mask=idx < V)
 
 def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
@@ -367,7 +380,8 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
     if logits.stride(-1) != 1: logits = logits.contiguous()
     out = torch.empty(B, V, dtype=torch.float32, device=logits.device)
     if B: _search_filter_kernel[(B,)](logits, out, *rows, V, logits.stride(0), out.stride(0), KEY_BITS=8 * logits.element_size(),
-                                      BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)), num_warps=SEARCH_NUM_WARPS)
+                                      BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)), LIBDEVICE=not interpreting(),
+                                      num_warps=SEARCH_NUM_WARPS)
     return out
 
 # %% ../chapters/09b_fused_ops.ipynb #56cfc07a

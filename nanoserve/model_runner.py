@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['logger', 'CPU_KV_CACHE_BYTES', 'QUANTIZATIONS', 'PREFILL_GRAPH_TOKENS', 'PROMPT_LOGPROBS_ROWS', 'EngineConfig',
            'scheduler_config', 'BatchInputs', 'block_table_array', 'prepare_inputs', 'attention_backend',
-           'prepare_model', 'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'TokenHistories', 'graph_batch_sizes',
-           'GraphBuffers', 'prefill_graph_length', 'prompt_logprob_spans']
+           'fused_kernels', 'prepare_model', 'allocate_kv_cache', 'ModelRunner', 'LaunchedStep', 'TokenHistories',
+           'graph_batch_sizes', 'GraphBuffers', 'prefill_graph_length', 'prompt_logprob_spans']
 
 # %% ../chapters/11a_model_runner.ipynb #1f61a197
 import dataclasses, gc, itertools, logging, math, os
@@ -149,12 +149,16 @@ def attention_backend(device: torch.device) -> type:
         return TritonPagedAttention
     return PagedAttention
 
+def fused_kernels(device: torch.device, config: EngineConfig):
+    "Chapter 9b's module of fused kernels where the engine uses them, on CUDA with config.fuse_ops; else None."
+    if device.type != "cuda" or not config.fuse_ops: return None
+    import nanoserve.fused_ops as fused_ops  # needs triton, which CPU-only installs may lack
+    return fused_ops
+
 def prepare_model(model: CausalLM, config: EngineConfig) -> CausalLM:
     "The model in inference mode, with chapter 9b's fused kernels on CUDA when config.fuse_ops, then chapter 9c's int8 weights."
     device = model.model.embed_tokens.weight.device  # not the LM head's: quantized, it has no `weight`
-    if device.type == "cuda" and config.fuse_ops:
-        from nanoserve.fused_ops import fuse_small_ops
-        fuse_small_ops(model)
+    if fused := fused_kernels(device, config): fused.fuse_small_ops(model)
     if config.quantization == "int8":
         try: from nanoserve.quantization import quantize_model
         except ImportError as e:  # its kernels need triton, which macOS installs lack
@@ -345,22 +349,21 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     penalized = any(p.penalized for p in params)
     if penalized and self.histories is None: self.histories = TokenHistories(self.device)
     history = self.histories.gather(out.sampled_seqs) if penalized else None
-    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter())
+    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter)
     if penalized: self.histories.append(sampled.token_ids)  # on the device: the next step's gather sees it, in stream order
     host, prompt_host, copied = _copy_to_host(sampled, prompt)
     return LaunchedStep(out, sampled, host, copied, spans, prompt_host)
 
 def _search_filter(self: ModelRunner):
-    "Chapter 9b's search_filter, which finds top-k, top-p and min-p without sorting the vocabulary, on CUDA with fuse_ops; else None."
-    if self.device.type != "cuda" or not self.config.fuse_ops: return None
-    from nanoserve.fused_ops import search_filter  # needs triton, which CPU-only installs may lack
-    return search_filter
+    "The sampler's search_filter: chapter 9b's, which finds top-k, top-p and min-p without sorting the vocabulary; or None."
+    fused = fused_kernels(self.device, self.config)
+    return fused.search_filter if fused else None
 
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and return its sampled tokens on the host."
     return self.launch(out, blocks, generators).result()
 
-ModelRunner.launch, ModelRunner.search_filter, ModelRunner.execute = _launch, _search_filter, _execute
+ModelRunner.launch, ModelRunner.execute, ModelRunner.search_filter = _launch, _execute, property(_search_filter)
 
 # %% ../chapters/11a_model_runner.ipynb #3a54f316
 @torch.inference_mode()
@@ -530,9 +533,7 @@ def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, spans: list) -> Sa
 
 def _token_logprobs(self: ModelRunner, logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
     "Chapter 6b's token_logprobs; on CUDA with fuse_ops, chapter 9b's, which reads the logits once and copies none to float32."
-    if self.device.type == "cuda" and self.config.fuse_ops:
-        from nanoserve.fused_ops import token_logprobs_fused  # needs triton, which CPU-only installs may lack
-        return token_logprobs_fused(logits, token_ids, n)
-    return token_logprobs(logits, token_ids, n)
+    fused = fused_kernels(self.device, self.config)
+    return (fused.token_logprobs_fused if fused else token_logprobs)(logits, token_ids, n)
 
 ModelRunner.prompt_logprobs, ModelRunner.token_logprobs = _prompt_logprobs, _token_logprobs

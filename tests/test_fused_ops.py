@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanoserve import fused_ops
-from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, search_filter, rms_norm,
-                                 rope, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
+from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, rms_norm, rope,
+                                 search_filter, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
@@ -176,6 +176,23 @@ def test_search_filter_at_a_cut_within_float32_rounding():
             assert threshold in thresholds_within_rounding(row, top_k, p[0].item()), (top_k, top_p)
 
 
+def test_search_filter_ties_what_filter_logits_ties():
+    "Two float32 logits that x / T rounds to one value, and -0 beside +0, tie for top-k 1 as they do after the division."
+    t = torch.tensor(0.7)
+    x = torch.tensor(1.5) + torch.arange(64) * torch.finfo(torch.float32).eps  # neighbouring float32 values
+    i = int(((x[1:] / t) == (x[:-1] / t)).nonzero()[0])  # the first pair that dividing by T merges
+    merged = [x[i].item(), x[i + 1].item(), 0.5, -1.0]
+    signed = [0.0, -0.0, -1.0, -2.0]
+    for row, t in ((merged, t.item()), (signed, 1.0), (signed, 0.3)):
+        for dtype in ((torch.float32,) if row is merged else (torch.float32, torch.float16)):
+            logits = torch.tensor([row, row], dtype=dtype, device=DEVICE)
+            temperature, top_k = torch.full((2,), t, device=DEVICE), torch.tensor([1, 4], device=DEVICE)
+            top_p, min_p = torch.tensor([1.0, 0.3], device=DEVICE), torch.zeros(2, device=DEVICE)
+            found = search_filter(logits, temperature, top_k, top_p, min_p)
+            assert torch.equal(found, filter_logits(logits.float() / temperature[:, None], top_k, top_p, min_p))
+            assert torch.isfinite(found[0]).sum() == 2  # both kept
+
+
 def test_search_filter_refuses_bad_arguments():
     logits, rows = torch.randn(3, 10, device=DEVICE), torch.ones(3, device=DEVICE)
     with pytest.raises(ValueError, match="logits must be a"): search_filter(logits[0], rows, rows, rows, rows)
@@ -195,18 +212,25 @@ def test_sample_with_the_search_filter_draws_what_sorting_draws():
     draw = lambda search, ps=params, history=None: sample(logits, ps, [make_generator(p.seed, DEVICE) for p in ps], history,
                                                            search_filter=search).token_ids
     assert torch.equal(draw(counted), draw(None)) and calls == [torch.float32]  # the bias made a float32 copy
-    penalized = [dataclasses.replace(p, logit_bias=None, presence_penalty=0.5) for p in params]
+    unbiased = [dataclasses.replace(p, logit_bias=None) for p in params]
+    assert torch.equal(draw(counted, unbiased), draw(None, unbiased)) and calls[-1] == logits.dtype  # the model's own logits
+    penalized = [dataclasses.replace(p, presence_penalty=0.5) for p in unbiased]
     history = TokenHistory.from_lists([[1, 2]] * 12, [[3]] * 12, DEVICE)
-    assert torch.equal(draw(counted, penalized, history), draw(None, penalized, history)) and len(calls) == 2
-    plain = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0, logit_bias=None) for p in params]
-    assert torch.equal(draw(counted, plain), draw(None, plain)) and len(calls) == 2
+    assert torch.equal(draw(counted, penalized, history), draw(None, penalized, history)) and len(calls) == 3
+    banned = [(5, 17)] * 12  # min_tokens' bans: a float32 copy with -inf
+    with_bans = lambda search: sample(logits, unbiased, [make_generator(p.seed, DEVICE) for p in unbiased], banned=banned,
+                                      search_filter=search).token_ids
+    assert torch.equal(with_bans(counted), with_bans(None)) and calls[-1] == torch.float32 and len(calls) == 4
+    plain = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0) for p in unbiased]
+    assert torch.equal(draw(counted, plain), draw(None, plain)) and len(calls) == 4
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_search_filter_over_a_llama_3_vocabulary():
     logits, temperature, top_k, top_p, min_p = filter_rows(64, 128256, 7, torch.bfloat16)
-    logits = logits + torch.randn(64, 128256, device="cuda").to(torch.bfloat16)  # fewer ties than the rounding leaves
+    noise = torch.randn(64, 128256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+    logits = logits + noise.to(torch.bfloat16)  # fewer ties than the rounding leaves
     for x in (logits, logits.float()):
         found = search_filter(x, temperature, top_k, top_p, min_p)
         assert torch.equal(found, filter_logits(x.float() / temperature[:, None], top_k, top_p, min_p))
@@ -220,9 +244,9 @@ def test_gpu_engine_samples_with_the_search_filter_as_with_the_sort(monkeypatch)
     llm = LLM(tiny_model_dir("llama"), dtype="bfloat16", num_kv_blocks=256, max_model_len=256)
     params = [SamplingParams(temperature=0.9, top_k=(0, 20)[i % 2], top_p=0.8, max_tokens=16, ignore_eos=True, seed=i) for i in range(6)]
     prompts = [[1, 2, 3], list(range(10, 60)), [7] * 9] * 2
-    assert llm.llm_engine.runner.search_filter() is search_filter
+    assert llm.llm_engine.runner.search_filter is search_filter
     searched = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(ModelRunner, "search_filter", lambda self: None)
+    monkeypatch.setattr(ModelRunner, "search_filter", None)
     assert searched == [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
