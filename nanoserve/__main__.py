@@ -105,6 +105,9 @@ def add_engine_args(p):
                         "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="'int8': the linear layers' weights as int8 rows with a scale each, half the bytes per decode step")
+    p.add_argument("--generation-config", default="auto",
+                   help="requests' sampling defaults: 'auto' (the model's generation_config.json, as vLLM), 'vllm' (none), "
+                        "or a folder that holds a generation_config.json")
     p.add_argument("--seed", type=int, default=0)
 
 def engine_options(args) -> dict:

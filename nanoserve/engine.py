@@ -4,12 +4,13 @@
 
 # %% auto #0
 __all__ = ['ENGINE_GC_THRESHOLD', 'RequestMetrics', 'TokenLogprobs', 'PromptLogprobs', 'RequestOutput', 'Request',
-           'engine_config', 'LLMEngine', 'LLM', 'fewer_collections']
+           'engine_config', 'model_sampling_defaults', 'LLMEngine', 'LLM', 'fewer_collections']
 
 # %% ../chapters/11b_engine.ipynb #d4ee404c
 import collections.abc, contextlib, dataclasses, gc, itertools, math, time
 from dataclasses import dataclass, field
 from numbers import Integral
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,9 +20,9 @@ from .generate import prompt_token_ids
 from .loader import load_model, resolve_model
 from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
-from .sampling import SamplingParams, check_stop, make_generator, stop_tokens
+from .sampling import SamplingParams, check_stop, generation_defaults, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer, read_json
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
 @dataclass
@@ -132,6 +133,16 @@ def engine_config(model=None, **options) -> EngineConfig:
     if unknown: raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; valid options: {', '.join(names[1:])}")
     return EngineConfig(model=None if model is None else str(model), **options)
 
+def model_sampling_defaults(model=None, generation_config: str = "auto") -> dict:
+    """The SamplingParams fields a model's requests start from (vLLM's --generation-config): those its own
+    generation_config.json recommends ("auto"), none ("vllm"), or those of the generation_config.json in a folder."""
+    if generation_config == "vllm": return {}
+    folder = resolve_model(model, config_only=True) if generation_config == "auto" else Path(generation_config).expanduser()
+    path = folder / "generation_config.json"
+    if generation_config != "auto" and not path.is_file():
+        raise ValueError(f"generation_config={generation_config!r}: expected 'auto', 'vllm' or a folder that holds a generation_config.json")
+    return generation_defaults(read_json(path), str(path))
+
 def _tokenizer_or_none(model) -> Tokenizer | None:
     "The model's tokenizer, or None when its directory has no tokenizer.json (token-id prompts only)."
     return load_tokenizer(model) if (resolve_model(model, config_only=True) / "tokenizer.json").exists() else None
@@ -143,6 +154,7 @@ class LLMEngine:
         self.config = engine_config(model, **options)
         c = self.config
         torch.manual_seed(c.seed)  # the sampler's draws for requests without a seed of their own
+        self.sampling_defaults = model_sampling_defaults(c.model, c.generation_config)  # before the model loads: a bad file fails fast
         self.model = load_model(c.model, c.dtype, c.device, c.load_format, c.seed)
         self.tokenizer = _tokenizer_or_none(c.model)
         self.runner = ModelRunner(self.model, c)
@@ -343,10 +355,14 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None: return self.llm_engine.tokenizer
     def reset_prefix_cache(self) -> bool: return self.llm_engine.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        "SamplingParams with the model's recommended defaults (the engine option generation_config), what generate uses without any."
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         "Generate for every prompt; returns RequestOutputs in the order of the prompts."
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
         if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
             others = ", ".join(map(repr, itertools.islice(engine.requests, 3))) + (", ..." if len(engine.requests) > 3 else "")

@@ -47,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # share the computed blocks of common prompt prefixes (chapter 10b)
     enable_chunked_prefill: bool = False  # decode tokens first in every step, prompts in chunks after them (chapter 10)
     quantization: str | None = None       # "int8": the linear layers' weights as int8 rows with scales (chapter 9c)
+    generation_config: str = "auto"       # requests' sampling defaults: the model's ("auto"), none ("vllm"), or a folder's
     seed: int = 0
 
     def __post_init__(self):
@@ -69,6 +70,9 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r}: expected an integer in [-2**63, 2**64), as torch.manual_seed takes")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: expected one of {QUANTIZATIONS}")
+        if not isinstance(self.generation_config, str) or not self.generation_config.strip():
+            raise ValueError(f"generation_config={self.generation_config!r}: expected 'auto' (the model's generation_config.json), "
+                             "'vllm' (no defaults of the model's) or a folder that holds a generation_config.json")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):  # not `in`: 1 == True
             raise ValueError(f"async_scheduling={self.async_scheduling!r}: expected True, False or None (on for CUDA)")
 

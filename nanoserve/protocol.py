@@ -273,11 +273,13 @@ def choice_seed(seed: int, choice: int) -> int:
     seed += choice
     return seed - 2**64 if seed >= 2**64 else seed
 
-def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0) -> SamplingParams:
-    "The SamplingParams of one choice (0 to n - 1) of a request: its fields, or the engine's defaults where it left them out."
-    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
-             if getattr(req, name) is not None}
+def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defaults: dict | None = None) -> SamplingParams:
+    """The SamplingParams of one choice (0 to n - 1) of a request: its fields; where it left them out, `defaults` (the
+    model's, chapter 6b's generation_defaults, but max_tokens: that is the budget), then SamplingParams' own."""
+    given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+    given |= {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+              if getattr(req, name) is not None}
     if req.seed is not None: given["seed"] = choice_seed(req.seed, choice)
     top = req.logprobs if isinstance(req, CompletionRequest) else (req.top_logprobs or 0) if req.logprobs else None
     prompt_top = top if isinstance(req, CompletionRequest) and req.echo else None  # echoed prompts carry log probabilities too

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'GREEDY_BELOW', 'FLOAT32_MAX',
-           'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'argmax_rows', 'make_generator',
-           'exponential_race', 'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens',
-           'ban_tokens', 'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs',
-           'sample', 'find_stop', 'StopCheck', 'check_stop']
+           'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams',
+           'generation_defaults', 'argmax_rows', 'make_generator', 'exponential_race', 'to_device', 'TokenHistory',
+           'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens', 'apply_logit_bias', 'SamplingTensors',
+           'SamplerOutput', 'token_logprobs', 'with_logprobs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -165,6 +165,18 @@ class SamplingParams:
     @property
     def filtered(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
     def top_k_of(self, vocab_size: int) -> int: return min(self.top_k, vocab_size) if self.top_k > 0 else vocab_size
+
+# %% ../chapters/06b_sampling.ipynb #gc06b002
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # vLLM's choice
+
+def generation_defaults(generation: dict, source: str = "generation_config.json") -> dict:
+    "The SamplingParams fields that a model's generation_config.json (its contents, read from `source`) recommends, checked."
+    if not isinstance(generation, dict): raise ValueError(f"{source} must hold a JSON object")
+    fields = {ours: generation[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if generation.get(theirs) is not None}
+    try: SamplingParams(**fields)
+    except ValueError as e: raise ValueError(f"{source}: {e}") from None
+    return fields
 
 # %% ../chapters/06b_sampling.ipynb #1b8c4d6e
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,) long

@@ -635,3 +635,33 @@ def test_gpu_async_scheduling_equals_sync():
         assert llm.llm_engine.async_scheduling is overlap
         outs[overlap] = [o.token_ids for o in llm.generate(random_prompts(), params, use_tqdm=False)]
     assert outs[True] == outs[False]
+
+
+def test_llm_starts_from_the_models_generation_config_as_vllm_does(tmp_path):
+    "generation_config='auto' (the default): the model's recommendations; 'vllm': none; a folder: its file's."
+    import json, shutil
+    from nanoserve.engine import model_sampling_defaults
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    recommended = {"temperature": 0.0, "top_p": 0.8, "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 5}
+    (model / "generation_config.json").write_text(json.dumps(generation | recommended | {"do_sample": True, "num_beams": 1}))
+    llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.0, 0.8, 7, 0.05, 1.1, 5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    assert [o.token_ids for o in llm.generate(prompts, use_tqdm=False)] == [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    assert all(len(o.token_ids) <= 5 for o in llm.generate(prompts, use_tqdm=False))
+    assert model_sampling_defaults(model, "vllm") == {}
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "eos_token_id": 2}))
+    assert model_sampling_defaults(model, str(other)) == {"top_p": 0.5}
+    assert model_sampling_defaults(None) == {}  # the built-in default model recommends nothing
+    with pytest.raises(ValueError, match="expected 'auto', 'vllm' or a folder that holds a generation_config.json"):
+        model_sampling_defaults(model, str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="generation_config="):
+        EngineConfig(generation_config="")
+    (model / "generation_config.json").write_text(json.dumps(generation | {"top_p": 0}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p=0"):
+        LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128)

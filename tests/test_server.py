@@ -1056,3 +1056,29 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
     assert seen["threshold"] == (server_module.SERVER_GC_THRESHOLD, *saved[1:]) and server_module.SERVER_GC_THRESHOLD > saved[0]
     assert seen["shutdown"] == 0  # serve leaves no engine running, however the server ends
     assert restored == saved  # only while it serves
+
+
+def test_requests_start_from_the_models_generation_config_and_override_it(tiny_chat_model, tmp_path, caplog):
+    """As vLLM's --generation-config auto: a request without temperature takes the model's, and a chat request without
+    max_tokens its max_new_tokens (a completion's max_tokens defaults to 16, OpenAI's); the request's own fields win."""
+    model = tmp_path / "with-defaults"
+    shutil.copytree(tiny_chat_model, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "top_k": 7, "max_new_tokens": 3}))
+    with caplog.at_level(logging.INFO, logger="nanoserve.server"):
+        server = make_server(str(model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="warning")
+    assert "'temperature': 0.0, 'top_k': 7, 'max_tokens': 3" in caplog.text
+    llm = LLM(model, max_model_len=128, num_kv_blocks=32, device="cpu")
+    greedy = lambda n: llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].text
+    with run_in_thread(server) as url:
+        post = lambda body: httpx.post(f"{url}/v1/completions", json={"prompt": "Hello there", "ignore_eos": True, **body}, timeout=60).json()
+        defaulted = post({})
+        assert defaulted["usage"]["completion_tokens"] == 16 and defaulted["choices"][0]["text"] == greedy(16)  # the model's temperature
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True}, timeout=60).json()
+        assert chat["usage"]["completion_tokens"] == 3  # the model's max_new_tokens
+        assert post({"max_tokens": 6})["choices"][0]["text"] == greedy(6)
+        sampled = [post({"max_tokens": 6, "temperature": 1.0, "seed": s})["choices"][0]["text"] for s in range(4)]
+        assert any(text != greedy(6) for text in sampled)  # the request's own temperature wins
+    from nanoserve.protocol import CompletionRequest, sampling_params
+    params = sampling_params(CompletionRequest(prompt="x", temperature=0.5), 9, 0, {"temperature": 0.0, "top_k": 7, "max_tokens": 3})
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.5, 7, 9)
