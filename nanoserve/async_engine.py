@@ -142,6 +142,7 @@ class AsyncLLMEngine:
 
     is_running = property(lambda self: self._thread is not None and self._thread.is_alive() and self._drain_until is None)
     tokenizer = property(lambda self: self.engine.tokenizer)             # what a server needs to know of the engine
+    sampling_defaults = property(lambda self: self.engine.sampling_defaults)  # the model's, under each request's own (11b)
     max_model_len = property(lambda self: self.engine.runner.max_model_len)
     kv_capacity = property(lambda self: self.engine.runner.kv_capacity)  # tokens the whole KV pool holds
     def _queued(self) -> int: return self._commands.qsize()             # commands sent that the engine has not taken

@@ -338,7 +338,6 @@ def _as_prompt_list(prompts) -> list:
 
 def _as_params_list(sampling_params, n: int) -> list:
     "One SamplingParams per prompt."
-    if sampling_params is None: sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams): return [sampling_params] * n
     if not isinstance(sampling_params, (list, tuple)):
         raise ValueError(f"sampling_params is a {type(sampling_params).__name__}: give a SamplingParams, or a list of them")
@@ -359,10 +358,20 @@ class LLM:
         "SamplingParams with the model's recommended defaults (the engine option generation_config), what generate uses without any."
         return SamplingParams(**self.llm_engine.sampling_defaults)
 
+    def _default_params(self, prompts: list) -> list:
+        "The default SamplingParams per prompt: the model's max_new_tokens cut to what the context leaves it, as the server cuts it."
+        params, engine = self.get_default_sampling_params(), self.llm_engine
+        if "max_tokens" not in engine.sampling_defaults: return [params] * len(prompts)
+        def fitted(prompt) -> SamplingParams:
+            try: room = engine.runner.max_model_len - len(engine._prompt_token_ids(prompt))
+            except ValueError: return params  # add_request names what is wrong with the prompt
+            return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+        return [fitted(prompt) for prompt in prompts]
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         "Generate for every prompt; returns RequestOutputs in the order of the prompts."
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompts))
+        params = self._default_params(prompts) if sampling_params is None else _as_params_list(sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
         if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
             others = ", ".join(map(repr, itertools.islice(engine.requests, 3))) + (", ..." if len(engine.requests) > 3 else "")

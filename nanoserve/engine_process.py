@@ -13,7 +13,8 @@ from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
                                     drain_deadline, engine_stats, hand_over)
-from .engine import LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none, fewer_collections
+from .engine import (LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none, engine_config,
+                              fewer_collections, model_sampling_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def engine_process_main(conn, model, engine_options: dict):
 # %% ../chapters/12e_engine_process.ipynb #39daed53
 class EngineProcess(AsyncLLMEngine):
     "AsyncLLMEngine's interface with the engine in a child process; only commands and output deltas cross."
-    tokenizer, max_model_len, kv_capacity = None, 0, 0  # instance attributes here (the base class reads them from its engine)
+    tokenizer, max_model_len, kv_capacity, sampling_defaults = None, 0, 0, {}  # instance attributes here (the base class reads them from its engine)
 
     def __init__(self, model=None, max_waiting: int | None = None, **engine_options):
         super().__init__(None, max_waiting)
@@ -243,7 +244,8 @@ class EngineProcess(AsyncLLMEngine):
                 self.process.kill()
                 self.process.join()
             raise
-        self.tokenizer = _tokenizer_or_none(model)
+        self.tokenizer = _tokenizer_or_none(model)  # the child has checked the options and the model's files by now
+        self.sampling_defaults = model_sampling_defaults(model, engine_config(model, **engine_options).generation_config)
         log.info("engine process %d: %s", self.process.pid, self.summary)
 
     @classmethod

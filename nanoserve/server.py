@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
-from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections, model_sampling_defaults
+from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
@@ -299,9 +299,9 @@ TEXT_MARGIN = 4  # check_chars refuses text over this many times what the longes
 
 class OpenAIServer:
     "What the route handlers share: the async engine, the served model's name, tokenizer, context length and KV capacity, the metrics."
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, sampling_defaults: dict | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.sampling_defaults = sampling_defaults or {}  # the model's (chapter 11b's model_sampling_defaults), under each request's own
+        self.sampling_defaults = engine.sampling_defaults  # the model's (chapter 11b), under each request's own fields
         self.tokenizer, self.max_model_len, self.kv_capacity = engine.tokenizer, engine.max_model_len, engine.kv_capacity
         if self.kv_capacity < self.max_model_len:  # vLLM refuses to start; here the model card says what fits (below)
             log.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests will be refused "
@@ -563,8 +563,8 @@ def check_api_key(api_key):
         raise ValueError(f"api_key={api_key!r}: expected a non-empty string, or None for no authentication")
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0, sampling_defaults: dict | None = None) -> FastAPI:
-    "The FastAPI app that serves `engine` under `model_name` (requests start from `sampling_defaults`); the engine thread runs while the app does."
+              max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0) -> FastAPI:
+    "The FastAPI app that serves `engine` under `model_name`; the engine thread runs while the app does."
     check_api_key(api_key)
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -574,7 +574,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, redirect_slashes=False,  # a 404, not a bare 307
                   description="An OpenAI-compatible server for one model, built in the nanoserve course.")
-    app.state.server = server = OpenAIServer(engine, model_name, sampling_defaults)
+    app.state.server = server = OpenAIServer(engine, model_name)
     add_routes(app, server)
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
@@ -621,14 +621,14 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
     check_api_key(api_key)  # these are checked again where they are used; here, before the model loads
     check_port(port)
-    defaults = model_sampling_defaults(model, engine_options.get("generation_config", "auto"))  # read here: the engine may be in another process
-    if defaults: log.info("requests start from the model's sampling defaults %s (generation_config.json; "
-                          "--generation-config vllm leaves them out); their own fields override them", defaults)
     if engine_process:
         from nanoserve.engine_process import EngineProcess  # chapter 12e, which builds on this one
         engine = EngineProcess(model, max_waiting, **engine_options)
     else: engine = AsyncLLMEngine.from_options(model, max_waiting=max_waiting, **engine_options)
-    app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown, defaults)
+    if engine.sampling_defaults:
+        log.info("requests start from the model's sampling defaults %s (generation_config=%r; 'vllm' leaves them out); "
+                 "their own fields override them", engine.sampling_defaults, engine_options.get("generation_config", "auto"))
+    app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events
     return DrainingServer(config, engine, timeout_graceful_shutdown)

@@ -652,6 +652,12 @@ def test_llm_starts_from_the_models_generation_config_as_vllm_does(tmp_path):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     assert [o.token_ids for o in llm.generate(prompts, use_tqdm=False)] == [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     assert all(len(o.token_ids) <= 5 for o in llm.generate(prompts, use_tqdm=False))
+    (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "max_new_tokens": 1000}))
+    long = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="exceeds max_model_len=128"):  # a request's own max_tokens is not cut
+        long.generate([list(range(1, 101))], SamplingParams(temperature=0, max_tokens=125, ignore_eos=True), use_tqdm=False)
+    defaulted = long.generate([[1, 2, 3], list(range(1, 101))], use_tqdm=False)  # max_new_tokens 1000: what each prompt leaves
+    assert all(len(o.token_ids) <= 128 - len(o.prompt_token_ids) for o in defaulted)
     assert model_sampling_defaults(model, "vllm") == {}
     other = tmp_path / "elsewhere"
     other.mkdir()

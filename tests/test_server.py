@@ -1058,7 +1058,8 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
     assert restored == saved  # only while it serves
 
 
-def test_requests_start_from_the_models_generation_config_and_override_it(tiny_chat_model, tmp_path, caplog):
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_requests_start_from_the_models_generation_config_and_override_it(tiny_chat_model, tmp_path, caplog, engine_process):
     """As vLLM's --generation-config auto: a request without temperature takes the model's, and a chat request without
     max_tokens its max_new_tokens (a completion's max_tokens defaults to 16, OpenAI's); the request's own fields win."""
     model = tmp_path / "with-defaults"
@@ -1066,7 +1067,8 @@ def test_requests_start_from_the_models_generation_config_and_override_it(tiny_c
     generation = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "top_k": 7, "max_new_tokens": 3}))
     with caplog.at_level(logging.INFO, logger="nanoserve.server"):
-        server = make_server(str(model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="warning")
+        server = make_server(str(model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="warning",
+                             engine_process=engine_process)
     assert "'temperature': 0.0, 'top_k': 7, 'max_tokens': 3" in caplog.text
     llm = LLM(model, max_model_len=128, num_kv_blocks=32, device="cpu")
     greedy = lambda n: llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].text
