@@ -359,10 +359,10 @@ def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
     best_scaled = tl.math.div_rn(best, temperature) if KEY_BITS == 16 else best
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + offs
-        raw = tl.load(x_row + idx, mask=idx < V, other=float("-inf"))
-        scaled = tl.math.div_rn(raw.to(tl.float32), temperature)  # rounded as PyTorch's x / T
+        value, key = _compared(tl.load(x_row + idx, mask=idx < V, other=float("-inf")), temperature, KEY_BITS)
+        scaled = tl.math.div_rn(value, temperature) if KEY_BITS == 16 else value  # rounded as PyTorch's x / T
         weight = libdevice.exp(scaled - best_scaled) if LIBDEVICE else tl.exp(scaled - best_scaled)  # PyTorch's expf on a GPU
-        keep = (_compared(raw, temperature, KEY_BITS)[1] >= lo) & (weight >= min_p)
+        keep = (key >= lo) & (weight >= min_p)
         tl.store(out_row + idx, tl.where(keep, scaled, float("-inf")), mask=idx < V)
 
 def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
@@ -372,8 +372,8 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits must be a (B, V) float32, float16 or bfloat16 tensor; got {tuple(logits.shape)} {logits.dtype}")
     B, V = logits.shape
-    rows = [torch.as_tensor(t, device=logits.device).to(dtype).contiguous()
-            for t, dtype in ((temperature, torch.float32), (top_k, torch.int32), (top_p, torch.float32), (min_p, torch.float32))]
+    rows = [torch.as_tensor(t, device=logits.device).to(dtype).contiguous()  # SamplingTensors' own dtypes: no conversion
+            for t, dtype in ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32))]
     for name, t in zip(("temperature", "top_k", "top_p", "min_p"), rows):
         if t.shape != (B,): raise ValueError(f"{name} must hold one value per row, ({B},); got {tuple(t.shape)}")
     _check_device(logits, *rows)
