@@ -245,7 +245,8 @@ class EngineProcess(AsyncLLMEngine):
                 self.process.join()
             raise
         self.tokenizer = _tokenizer_or_none(model)  # the child has checked the options and the model's files by now
-        self.sampling_defaults = model_sampling_defaults(model, engine_config(model, **engine_options).generation_config)
+        config = engine_config(model, **engine_options)
+        self.sampling_defaults = model_sampling_defaults(model, config.generation_config, config.override_generation_config)
         log.info("engine process %d: %s", self.process.pid, self.summary)
 
     @classmethod

@@ -18,7 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .model import CausalLM
 from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, PagedAttentionMetadata, PagedKVCache, block_bytes
-from .sampling import MAX_LOGPROBS, SamplerOutput, SamplingParams, TokenHistory, sample, to_device, token_logprobs
+from .sampling import MAX_LOGPROBS, SamplerOutput, SamplingParams, TokenHistory, sample, to_device, token_logprobs, generation_overrides
 from .scheduler import SchedulerConfig, SchedulerOutput, Sequence
 
 logger = logging.getLogger("nanoserve")
@@ -48,6 +48,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False  # decode tokens first in every step, prompts in chunks after them (chapter 10)
     quantization: str | None = None       # "int8": the linear layers' weights as int8 rows with scales (chapter 9c)
     generation_config: str = "auto"       # requests' sampling defaults: the model's ("auto"), none ("vllm"), or a folder's
+    override_generation_config: dict | None = dataclasses.field(default=None, hash=False)  # generation_config.json fields over those (vLLM's)
     seed: int = 0
 
     def __post_init__(self):
@@ -73,6 +74,9 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config.strip():
             raise ValueError(f"generation_config={self.generation_config!r}: expected 'auto' (the model's generation_config.json), "
                              "'vllm' (no defaults of the model's) or a folder that holds a generation_config.json")
+        generation_overrides(self.override_generation_config)  # raises, naming a field or value it refuses
+        if self.override_generation_config is not None:  # a copy: the caller's dict may change after the check
+            object.__setattr__(self, "override_generation_config", dict(self.override_generation_config))
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):  # not `in`: 1 == True
             raise ValueError(f"async_scheduling={self.async_scheduling!r}: expected True, False or None (on for CUDA)")
 

@@ -6,12 +6,11 @@
 __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'OpenAIModel', 'StreamOptions', 'only_accepted',
            'SamplingRequest', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ChatCompletionRequest',
            'TokenizeRequest', 'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest',
-           'token_budget', 'choice_seed', 'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs',
-           'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs',
-           'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo',
-           'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage', 'completion_logprobs', 'chat_logprobs',
-           'new_id', 'joined', 'Echo', 'completion_choice', 'completion_response', 'chat_response', 'chunk',
-           'completion_delta', 'chat_delta']
+           'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs', 'CompletionChoice',
+           'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice',
+           'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes',
+           'token_text', 'usage', 'completion_logprobs', 'chat_logprobs', 'new_id', 'joined', 'Echo',
+           'completion_choice', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
 import codecs, dataclasses, time, uuid
@@ -20,7 +19,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from .engine import RequestOutput, TokenLogprobs
-from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, choice_seed
 from .tokenizer import Tokenizer
 
 # %% ../chapters/12b_protocol.ipynb #de0a4b6a
@@ -268,11 +267,6 @@ def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: 
                          f"{prompt_param if too_long else f'{prompt_param} or the {param}'}.", prompt_param if too_long else param)
 
 # %% ../chapters/12b_protocol.ipynb #3ee260f0
-def choice_seed(seed: int, choice: int) -> int:
-    "The seed of choice `choice` of a request seeded with `seed`: seed + choice, kept in the range SamplingParams accepts."
-    seed += choice
-    return seed - 2**64 if seed >= 2**64 else seed
-
 def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defaults: dict | None = None) -> SamplingParams:
     """The SamplingParams of one choice (0 to n - 1) of a request: its fields; where it left them out, `defaults` (the
     model's, chapter 6b's generation_defaults, but max_tokens: that is the budget), then SamplingParams' own."""

@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'GREEDY_BELOW', 'FLOAT32_MAX',
-           'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams',
-           'generation_defaults', 'argmax_rows', 'make_generator', 'exponential_race', 'to_device', 'TokenHistory',
-           'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens', 'apply_logit_bias', 'SamplingTensors',
-           'SamplerOutput', 'token_logprobs', 'with_logprobs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
+           'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'choice_seed',
+           'generation_defaults', 'generation_overrides', 'argmax_rows', 'make_generator', 'exponential_race',
+           'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens',
+           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'sample',
+           'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -86,6 +87,7 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]", float),
     "seed": (lambda v: v is None or (_int(v) and -2**63 <= v < 2**64), "an integer in [-2**63, 2**64), or None", _or_none(int)),
     "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1", int),
+    "n": (lambda v: _int(v) and v >= 1, "an integer >= 1", int),
     "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0", int),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
@@ -142,6 +144,7 @@ class SamplingParams:
     logit_bias: tuple = ()      # (token id, bias) pairs added to the logits; give a dict {token id: bias}
     min_tokens: int = 0         # no end-of-sequence token, stop token or stop string before this many new tokens
     prompt_logprobs: int | None = None  # n: the log probability of each prompt token given those before it, and the top n
+    n: int = 1                  # completions of the prompt: LLM.generate runs n sequences, choice j seeded with choice_seed
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -166,6 +169,11 @@ class SamplingParams:
     def filtered(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
     def top_k_of(self, vocab_size: int) -> int: return min(self.top_k, vocab_size) if self.top_k > 0 else vocab_size
 
+def choice_seed(seed: int, choice: int) -> int:
+    "The seed of choice `choice` (0 to n - 1) of a request seeded with `seed`: seed + choice, kept in the range SamplingParams accepts."
+    seed += choice
+    return seed - 2**64 if seed >= 2**64 else seed
+
 # %% ../chapters/06b_sampling.ipynb #gc06b002
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # vLLM's choice
@@ -177,6 +185,14 @@ def generation_defaults(generation: dict, source: str = "generation_config.json"
     try: SamplingParams(**fields)
     except ValueError as e: raise ValueError(f"{source}: {e}") from None
     return fields
+
+def generation_overrides(override: dict | None) -> dict:
+    "The SamplingParams fields that vLLM's --override-generation-config sets, named as in generation_config.json, checked."
+    if override is None: return {}
+    if not isinstance(override, dict) or not set(override) <= set(GENERATION_CONFIG_FIELDS):
+        raise ValueError(f"override_generation_config={override!r}: expected a JSON object of generation_config.json's "
+                         f"fields {', '.join(GENERATION_CONFIG_FIELDS)}")
+    return generation_defaults(override, "override_generation_config")
 
 # %% ../chapters/06b_sampling.ipynb #1b8c4d6e
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,) long

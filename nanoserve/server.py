@@ -626,8 +626,9 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
         engine = EngineProcess(model, max_waiting, **engine_options)
     else: engine = AsyncLLMEngine.from_options(model, max_waiting=max_waiting, **engine_options)
     if engine.sampling_defaults:
-        log.info("requests start from the model's sampling defaults %s (generation_config=%r; 'vllm' leaves them out); "
-                 "their own fields override them", engine.sampling_defaults, engine_options.get("generation_config", "auto"))
+        log.info("requests start from the sampling defaults %s (generation_config=%r, override_generation_config=%r); "
+                 "their own fields override them", engine.sampling_defaults, engine_options.get("generation_config", "auto"),
+                 engine_options.get("override_generation_config"))
     app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events

@@ -49,6 +49,39 @@ def test_generate_greedy_equals_library_call():
     assert run.returncode == 0 and run.stdout == want + "\n"
 
 
+def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
+    "A sampling flag left out takes what generation_config.json recommends (or --override-generation-config sets); a flag wins."
+    import json
+    from nanoserve.generate import generate
+    from nanoserve.loader import load_model, resolve_model
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.tokenizer import load_tokenizer
+    source, model = resolve_model(None), tmp_path / "model"
+    model.mkdir()
+    for f in source.iterdir():
+        if f.name != "generation_config.json": (model / f.name).symlink_to(f)
+    generation = json.loads((source / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "max_new_tokens": 9}))
+    tok, prompt = load_tokenizer(), "The three primary colours are"
+    lm, ids = load_model(), tok.encode(prompt)
+    def greedy(n): return generate(lm, tok, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).text + "\n"
+    def cli(*args):
+        assert main(["generate", "--prompt", prompt, "--ignore-eos", *args]) == 0
+        return capsys.readouterr().out
+    assert cli("--model", str(model)) == greedy(9)  # the model's temperature 0 and max_new_tokens 9
+    assert cli("--model", str(model), "--max-new-tokens", "4") == greedy(4)  # a flag over the model's value
+    assert cli("--generation-config", "vllm", "--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}',
+               "--model", str(model)) == greedy(3)  # 'vllm': the override's fields alone
+    assert cli("--model", str(model), "--override-generation-config", '{"max_new_tokens": 5}') == greedy(5)  # merged: still greedy
+    config = json.loads((source / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": len(ids) + 4}))
+    assert cli("--model", str(model)) == greedy(4)  # the model's 9 new tokens, cut to the 4 positions its context leaves
+    with pytest.raises(SystemExit):
+        cli("--model", str(model), "--min-tokens", "6")
+    assert f"the prompt ({len(ids)} tokens) leaves 4 of the model's {len(ids) + 4} positions, and the completion needs at least 6" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_tokens=0"),
@@ -56,6 +89,9 @@ def test_generate_greedy_equals_library_call():
     (["--prompt", "hi", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["--prompt", "hi", "--model", "/no/such/dir"], "model='/no/such/dir'"),
     (["--temperature", "0"], "the following arguments are required: --prompt"),
+    (["--prompt", "hi", "--override-generation-config", "[1]"], "expected a JSON object such as"),
+    (["--prompt", "hi", "--override-generation-config", '{"max_tokens": 5}'], "override_generation_config={'max_tokens': 5}"),
+    (["--prompt", "hi", "--override-generation-config", '{"top_p": 0}'], "override_generation_config: top_p=0"),
 ])
 def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     run = run_cli("generate", *args)
@@ -76,6 +112,7 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     (["serve", "--port", "0", "--max-waiting", "0"], "max_waiting=0: expected None (no limit) or an integer >= 1"),
     (["serve", "--port", "70000"], "port=70000: expected 0 to 65535"),  # once an OverflowError from bind
     (["serve", "--port", "0", "--quantization", "int4"], "invalid choice: 'int4'"),
+    (["serve", "--port", "0", "--override-generation-config", '{"temp": 0.5}'], "override_generation_config={'temp': 0.5}"),
 ])
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
     "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."

@@ -295,6 +295,53 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(default_ll
     assert together == alone and len(set(map(tuple, together))) == 3
 
 
+def test_n_completions_per_prompt_as_vllm_returns_them(default_llm):
+    "SamplingParams.n: one RequestOutput per prompt whose `outputs` holds n completions, choice j seeded with seed + j."
+    from nanoserve.engine import CompletionOutput
+    prompts = ["Once upon a time", "The weather today"]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=0, n=3)
+    outs = default_llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    for prompt, out in zip(prompts, outs):
+        alone = [default_llm.generate(prompt, SamplingParams(temperature=1.0, seed=7 + j, max_tokens=8, ignore_eos=True, logprobs=0),
+                                      use_tqdm=False)[0] for j in range(3)]
+        assert [c.token_ids for c in out.outputs] == [a.token_ids for a in alone]
+        assert [c.text for c in out.outputs] == [a.text for a in alone] and [c.index for c in out.outputs] == [0, 1, 2]
+        assert (out.text, out.token_ids) == (alone[0].text, alone[0].token_ids)  # the top level is the first choice
+        assert out.outputs[1].cumulative_logprob == pytest.approx(sum(t.logprob for t in alone[1].logprobs))
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
+    greedy = default_llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=5, n=2), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == greedy.token_ids
+    one = default_llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert one.outputs == [CompletionOutput(0, one.text, one.token_ids, one.finish_reason)] and one.outputs[0].cumulative_logprob is None
+    with pytest.raises(ValueError, match="n=0: expected an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match=r"prompt 1: prompt \(601 tokens\)"):  # the prompt, not the choice
+        default_llm.generate(["Hi", "x " * 600], SamplingParams(max_tokens=4, n=3), use_tqdm=False)
+    assert not default_llm.llm_engine.requests
+    with pytest.raises(ValueError, match="n=2: a request is one sequence here"):
+        default_llm.llm_engine.add_request(None, "Hi", SamplingParams(n=2))
+
+
+def test_chat_renders_each_conversation_with_the_template_as_vllm(default_llm):
+    tok = default_llm.get_tokenizer()
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}]]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    texts = [tok.apply_chat_template(c) for c in conversations]
+    want = default_llm.generate([tok.encode(t, add_special_tokens=False) for t in texts], greedy, use_tqdm=False)
+    got = default_llm.chat(conversations, greedy, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and [o.prompt for o in got] == texts
+    one = default_llm.chat(conversations[0], greedy, use_tqdm=False)  # one conversation, not a list of them
+    assert len(one) == 1 and one[0].token_ids == want[0].token_ids and "Paris" in one[0].text
+    for bad, message in [("hi", "messages='hi': expected a conversation"), ([], "messages=\\[\\]"),
+                         ([conversations[0], [{"role": "user"}]], "conversation 1: messages\\[0\\]=")]:
+        with pytest.raises(ValueError, match=message):
+            default_llm.chat(bad, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="has no tokenizer, so no chat template"):
+        LLM(tiny_model_dir("llama"), device="cpu", num_kv_blocks=16).chat(conversations[0])
+
+
 def test_engine_step_abort_and_metrics():
     engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=32, device="cpu")
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -342,6 +389,17 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
         with pytest.raises(ValueError, match=match): default_llm.generate(prompts, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params is a dict"):
         default_llm.generate([[1]], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"sampling_params\[1\] is a NoneType: expected a SamplingParams"):
+        default_llm.generate(["a", "b"], [SamplingParams(), None], use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    ids = default_llm.get_tokenizer().encode("Hi")
+    as_dicts = default_llm.generate([{"prompt": "Hi"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)  # vLLM's dict prompts
+    assert [o.token_ids for o in as_dicts] == [o.token_ids for o in default_llm.generate(["Hi", ids], greedy, use_tqdm=False)]
+    assert as_dicts[0].prompt == "Hi" and default_llm.generate({"prompt": "Hi"}, greedy, use_tqdm=False)[0].token_ids == as_dicts[0].token_ids
+    with pytest.raises(ValueError, match=r"prompts\[1\] has the keys \['multi_modal_data', 'prompt'\]"):
+        default_llm.generate(["Hi", {"prompt": "Hi", "multi_modal_data": {}}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a int"):
+        default_llm.generate({"prompt": 5}, use_tqdm=False)
     with pytest.raises(ValueError, match="got a NoneType"): engine.add_request(None, None)
     with pytest.raises(ValueError, match="stream='no'"): engine.add_request(None, "Hi", stream="no")
     with pytest.raises(ValueError, match="arrival_time='now'"): engine.add_request(None, "Hi", arrival_time="now")
@@ -671,3 +729,38 @@ def test_llm_starts_from_the_models_generation_config_as_vllm_does(tmp_path):
     (model / "generation_config.json").write_text(json.dumps(generation | {"top_p": 0}))
     with pytest.raises(ValueError, match=r"generation_config.json: top_p=0"):
         LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128)
+
+
+def test_override_generation_config_sets_fields_over_the_models(tmp_path, caplog):
+    "vLLM's --override-generation-config: generation_config.json's names, merged over the model's file, alone with 'vllm'."
+    import json, shutil
+    from nanoserve.engine import model_sampling_defaults
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.6, "top_p": 0.9, "top_k": 20}))
+    override = {"temperature": 0.0, "max_new_tokens": 4, "top_k": None}  # a null clears the file's top_k, as in vLLM's merge
+    assert model_sampling_defaults(model, "auto", override) == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 4}
+    assert model_sampling_defaults(model, "vllm", override) == {"temperature": 0.0, "max_tokens": 4}
+    (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.6, "top_p": 0.9}))
+    with caplog.at_level("INFO", logger="nanoserve"):
+        llm = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128, override_generation_config=override)
+    assert "starts from the sampling defaults {'temperature': 0.0, 'top_p': 0.9, 'max_tokens': 4}" in caplog.text
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.0, 0.9, 4)
+    greedy = SamplingParams(temperature=0, top_p=0.9, max_tokens=4)
+    assert [o.token_ids for o in llm.generate([[1, 2, 3]], use_tqdm=False)] == [o.token_ids for o in llm.generate([[1, 2, 3]], greedy, use_tqdm=False)]
+    mendable = tmp_path / "mendable"
+    mendable.mkdir()
+    (mendable / "generation_config.json").write_text(json.dumps({"top_p": 0, "temperature": 0.7}))  # top_p 0: refused alone
+    assert model_sampling_defaults(model, str(mendable), {"top_p": 0.5}) == {"temperature": 0.7, "top_p": 0.5}
+    with pytest.raises(ValueError, match="generation_config.json: top_p=0"):
+        model_sampling_defaults(model, str(mendable), {"temperature": 0.5})
+    config = EngineConfig(override_generation_config=override)
+    override["temperature"] = -5.0  # the config checked and kept its own copy
+    assert config.override_generation_config["temperature"] == 0.0 and hash(config) == hash(EngineConfig(override_generation_config={}))
+    for bad, message in [({"max_tokens": 4}, "override_generation_config={'max_tokens': 4}: expected a JSON object of"),
+                         ({"temperature": -1}, "override_generation_config: temperature=-1"),
+                         ([("temperature", 0)], "override_generation_config=\\[")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(override_generation_config=bad)
