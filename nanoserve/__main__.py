@@ -202,7 +202,7 @@ def run_serve(args) -> int:
     return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                  timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level,
-                 engine_process=args.engine_process, **engine_options(args))
+                 engine_process=args.engine_process, chat_template=args.chat_template, **engine_options(args))
 
 def add_serve_parser(sub):
     "The `serve` subcommand: the server's flags and the engine's."
@@ -219,6 +219,7 @@ def add_serve_parser(sub):
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own (chapter 12e; default), or in a thread of the server's")
+    p.add_argument("--chat-template", default=None, help="a chat template file, or the template itself, instead of the model's")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 

@@ -478,10 +478,11 @@ def fewer_collections(threshold: int = ENGINE_GC_THRESHOLD):
 LLM._run = _run
 
 # %% ../chapters/11b_engine.ipynb #c11bch02
-def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
-          chat_template_kwargs: dict | None = None) -> list:
+def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+          add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list:
     """vLLM's LLM.chat: generate for a conversation (a list of {"role", "content"} messages) or a list of them, each
-    rendered with the model's chat template; one RequestOutput per conversation, whose `prompt` is the rendered text."""
+    rendered with the model's chat template (or `chat_template`); one RequestOutput per conversation, whose `prompt` is
+    the rendered text."""
     tok = self.llm_engine.tokenizer
     if tok is None: raise ValueError("this model has no tokenizer, so no chat template: give generate token ids instead")
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -489,7 +490,8 @@ def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, add_
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
     texts = []
     for i, conversation in enumerate(conversations):
-        try: texts.append(tok.apply_chat_template(conversation, add_generation_prompt, **(chat_template_kwargs or {})))
+        try: texts.append(tok.apply_chat_template(conversation, add_generation_prompt, chat_template=chat_template,
+                                                  **(chat_template_kwargs or {})))
         except ValueError as e: raise ValueError(f"conversation {i}: {e}") from None
     prompts = [tok.encode(text, add_special_tokens=False) for text in texts]
     return [dataclasses.replace(out, prompt=text) for out, text in zip(self.generate(prompts, sampling_params, use_tqdm), texts)]

@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException
 from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
-from .loader import DEFAULT_MODEL
+from .loader import DEFAULT_MODEL, resolve_model
+from .tokenizer import load_chat_template
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
@@ -615,12 +616,17 @@ def check_port(port):
 def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                 api_key: str | None = None, max_waiting: int = 2048, max_request_bytes: int = 8 * 2**20,
                 timeout_graceful_shutdown: float = 30.0, log_level: str = "info", engine_process: bool = False,
-                **engine_options) -> DrainingServer:
-    "Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn server (not started)."
+                chat_template: str | None = None, **engine_options) -> DrainingServer:
+    """Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn
+    server (not started). `chat_template`: a template file or the template itself, for chat requests instead of the model's."""
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
     check_api_key(api_key)  # these are checked again where they are used; here, before the model loads
     check_port(port)
+    if chat_template is not None:
+        chat_template = load_chat_template(chat_template)
+        if not (resolve_model(model, config_only=True) / "tokenizer.json").exists():
+            raise ValueError("chat_template: this model has no tokenizer.json, so it serves token-id prompts only, never messages")
     if engine_process:
         from nanoserve.engine_process import EngineProcess  # chapter 12e, which builds on this one
         engine = EngineProcess(model, max_waiting, **engine_options)
@@ -629,6 +635,9 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
         log.info("requests start from the sampling defaults %s (generation_config=%r, override_generation_config=%r); "
                  "their own fields override them", engine.sampling_defaults, engine_options.get("generation_config", "auto"),
                  engine_options.get("override_generation_config"))
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template  # the server renders every conversation, and reports the template, with it
+        log.info("chat requests use the chat template given (%d characters), not the model's", len(chat_template))
     app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events

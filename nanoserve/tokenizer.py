@@ -6,7 +6,7 @@
 __all__ = ['SPECIAL_TOKEN_NAMES', 'BYTE_LEVEL', 'CONTEXT_TOKENS', 'token_content', 'special_tokens', 'extra_special_tokens',
            'bos_eos_processor', 'raise_exception', 'tojson', 'strftime_now', 'compile_chat_template', 'check_messages',
            'render_chat_template', 'token_ids', 'read_json', 'generation_eos_token_ids', 'Tokenizer',
-           'read_chat_template', 'load_tokenizer', 'IncrementalDetokenizer']
+           'read_chat_template', 'load_chat_template', 'load_tokenizer', 'IncrementalDetokenizer']
 
 # %% ../chapters/06a_tokenizer.ipynb #1f1edc3a
 import json, reprlib
@@ -177,12 +177,14 @@ class Tokenizer:
             raise ValueError(f"ids={reprlib.repr(ids)}: expected token ids, integers >= 0") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
-                            **template_kwargs):
-        "The prompt for a conversation: the chat template's text, or its ids (no special tokens added) if `tokenize`."
-        if self.chat_template is None:
+                            chat_template: str | None = None, **template_kwargs):
+        """The prompt for a conversation: the chat template's text, or its ids (no special tokens added) if `tokenize`;
+        rendered with `chat_template` instead of the model's, if given."""
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError(f"{self.name} has no chat template (no 'chat_template' in tokenizer_config.json and no "
-                             "chat_template.jinja): pass a plain text prompt instead of messages")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+                             "chat_template.jinja): pass a plain text prompt instead of messages, or give a chat template")
+        text = render_chat_template(template, messages, add_generation_prompt,
                                     **{**self.special_tokens, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -197,6 +199,20 @@ def read_chat_template(model_dir: Path, config: dict) -> str | None:
     if file.exists(): return file.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list): template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+def load_chat_template(template: str) -> str:
+    """A chat template given as vLLM's --chat-template takes it: the path of a file, or the template itself. Compiled
+    here, so that a syntax error stops the server as it starts rather than failing every chat request."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"chat_template={template!r}: expected the path of a template file, or a template")
+    try: is_file = Path(template).expanduser().is_file()
+    except (OSError, ValueError): is_file = False  # a template too long for a file name, or with a NUL in it
+    if is_file: template = Path(template).expanduser().read_text(encoding="utf-8")
+    elif not any(c in template for c in "{}\n"):
+        raise ValueError(f"chat_template={reprlib.repr(template)}: no such file, and not a template either (it has no {{ or }})")
+    try: compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e: raise ValueError(f"chat_template: line {e.lineno}: {e.message}") from None
     return template
 
 def load_tokenizer(model=None) -> Tokenizer:

@@ -338,6 +338,8 @@ def test_chat_renders_each_conversation_with_the_template_as_vllm(default_llm):
                          ([conversations[0], [{"role": "user"}]], "conversation 1: messages\\[0\\]=")]:
         with pytest.raises(ValueError, match=message):
             default_llm.chat(bad, greedy, use_tqdm=False)
+    plain = default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template="{{ messages[0].content }}")[0]
+    assert plain.prompt == "What is the capital of France?" == default_llm.generate(plain.prompt, greedy, use_tqdm=False)[0].prompt
     with pytest.raises(ValueError, match="has no tokenizer, so no chat template"):
         LLM(tiny_model_dir("llama"), device="cpu", num_kv_blocks=16).chat(conversations[0])
 

@@ -1059,6 +1059,22 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
 
 
 @pytest.mark.parametrize("engine_process", [False, True])
+def test_chat_template_given_to_the_server_renders_every_conversation(tiny_chat_model, engine_process):
+    "vLLM's --chat-template: a template (or its file) instead of the model's, for chat requests, /tokenize and /tokenizer_info."
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    with pytest.raises(ValueError, match="chat_template: line 1"):
+        make_server(str(tiny_chat_model), port=0, chat_template="{% for %}", device="cpu")
+    server = make_server(str(tiny_chat_model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="warning",
+                         engine_process=engine_process, chat_template=template)
+    tok = LLM(tiny_chat_model, max_model_len=128, num_kv_blocks=8, device="cpu").get_tokenizer()
+    want = tok.encode("[user] What is the capital of France?\n[assistant] ", add_special_tokens=False)
+    with run_in_thread(server) as url:
+        assert httpx.post(f"{url}/tokenize", json={"messages": CHAT}, timeout=60).json()["tokens"] == want
+        assert httpx.get(f"{url}/tokenizer_info", timeout=60).json()["chat_template"] == template
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60).json()
+        assert chat["usage"]["prompt_tokens"] == len(want)
+
+
 def test_requests_start_from_the_models_generation_config_and_override_it(tiny_chat_model, tmp_path, caplog, engine_process):
     """As vLLM's --generation-config auto: a request without temperature takes the model's, and a chat request without
     max_tokens its max_new_tokens (a completion's max_tokens defaults to 16, OpenAI's); the request's own fields win."""
