@@ -93,6 +93,7 @@ class CompletionOutput:
     token_ids: list
     finish_reason: str | None
     logprobs: list | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if one did
     error: str | None = None  # why the engine failed this choice (finish_reason "abort"), if it did
 
     @property
@@ -115,12 +116,14 @@ class RequestOutput:
     error: str | None = None      # why the engine failed this request (finish_reason "abort"), if it did
     num_cached_tokens: int = 0    # prompt tokens whose keys and values the prefix cache held (chapter 10b)
     prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs: None for the first prompt token, then TokenLogprobs of each
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that finished it; None for EOS and length
     choices: list | None = field(default=None, repr=False)  # LLM.generate with n > 1: a CompletionOutput per choice
 
     @property
     def outputs(self) -> list:
         "vLLM's list of completions: the n choices of LLM.generate, else this request's one; `text` and `token_ids` are the first's."
-        return self.choices or [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.error)]
+        return self.choices or [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
+                                                 self.stop_reason, self.error)]
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
 @dataclass
@@ -136,6 +139,7 @@ class Request:
     logprobs: list | None = None
     prompt_logprobs: PromptLogprobs | None = None  # filled by the prefill steps that compute them
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop token or stop string that finished it (check_stop's)
 
     def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
@@ -144,7 +148,7 @@ class Request:
         ids, logprobs = seq.output_token_ids, self.logprobs  # snapshot=False: the live lists, O(1) instead of O(tokens)
         if snapshot: ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
         return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished, seq.finish_reason,
-                             self.metrics, logprobs, self.error, seq.num_cached_tokens, self.prompt_logprobs)  # complete once a token is out
+                             self.metrics, logprobs, self.error, seq.num_cached_tokens, self.prompt_logprobs, self.stop_reason)  # complete once a token is out
 
 # %% ../chapters/11b_engine.ipynb #14713660
 def engine_config(model=None, **options) -> EngineConfig:
@@ -258,6 +262,7 @@ def _record_token(self: LLMEngine, req: Request, row: int, logprobs: tuple | Non
     if done.finished:
         if done.reason == "length" and req.detokenizer: req.text += req.detokenizer.flush()
         self.scheduler.finish(seq, done.reason)
+        req.stop_reason = done.stop_reason
         req.metrics.finished_time = time.monotonic()
 
 def _fail(self: LLMEngine, req: Request, error: Exception):
@@ -439,7 +444,8 @@ def _grouped(outputs: list, counts: list) -> list:
     it, grouped = iter(outputs), []
     for n in counts:
         first, *others = itertools.islice(it, n)
-        if others: first = dataclasses.replace(first, choices=[CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.logprobs, o.error)
+        if others: first = dataclasses.replace(first, choices=[CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.logprobs,
+                                                                                  o.stop_reason, o.error)
                                                                  for j, o in enumerate([first, *others])])
         grouped.append(first)
     return grouped

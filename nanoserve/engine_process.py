@@ -33,10 +33,12 @@ class OutputDelta:
     metrics: RequestMetrics | None = None  # the request's timings, once it has finished
     num_cached_tokens: int = 0    # prompt tokens the prefix cache held (chapter 10b)
     prompt_logprobs: PromptLogprobs | None = None  # in a request's first delta only, when it asked for them (chapter 11a)
+    stop_reason: int | str | None = None  # the stop token or string that finished it, in its last delta (chapter 11b)
 
     def __reduce__(self):  # pickled as the constructor's arguments, not as a slotted dataclass's state (timed below)
         return OutputDelta, (self.request_id, self.text_start, self.text, self.token_ids, self.logprobs, self.finished,
-                             self.finish_reason, self.error, self.metrics, self.num_cached_tokens, self.prompt_logprobs)
+                             self.finish_reason, self.error, self.metrics, self.num_cached_tokens, self.prompt_logprobs,
+                             self.stop_reason)
 
 class DeltaTracker:
     "The engine process's memory of what it has sent of each request."
@@ -50,7 +52,7 @@ class DeltaTracker:
         return OutputDelta(out.request_id, start, out.text[start:], out.token_ids[n:],
                            None if out.logprobs is None else out.logprobs[n:], out.finished, out.finish_reason,
                            out.error, out.metrics if out.finished else None, out.num_cached_tokens,
-                           out.prompt_logprobs if first else None)
+                           out.prompt_logprobs if first else None, out.stop_reason)
 
 @dataclass(eq=False)
 class OutputAssembly(LiveOutput):
@@ -98,7 +100,7 @@ class OutputAssembly(LiveOutput):
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.token_ids), done,
                              reason, metrics or RequestMetrics(self.arrival_time),
                              None if self.logprobs is None else list(self.logprobs), None if last is None else last.error,
-                             self.num_cached_tokens, self.prompt_logprobs)
+                             self.num_cached_tokens, self.prompt_logprobs, last.stop_reason if done else None)
 
 # %% ../chapters/12e_engine_process.ipynb #79decbbc
 class EngineLoop:

@@ -301,6 +301,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended the choice
 
 class CompletionResponse(BaseModel):
     id: str
@@ -331,6 +332,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended the choice
 
 class ChatCompletionResponse(BaseModel):
     id: str
@@ -431,7 +433,8 @@ class Echo:
         "The output as a choice holds it, and as usage counts it: without the drawn token when nothing was to be generated."
         if self.generated: return out
         reason = out.finish_reason if out.finish_reason == "abort" else "length" if out.finished else None
-        return dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [], finish_reason=reason)
+        return dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [], finish_reason=reason,
+                                   stop_reason=None)
 
     def prompt(self, choice: int, out: RequestOutput, tokenizer) -> tuple:
         "(text, completions-style log probabilities or None) of choice `choice`'s prompt; made once per choice, for a stream too."
@@ -449,7 +452,7 @@ def completion_choice(out: RequestOutput, tokenizer, index: int, echo: Echo | No
     if echo is not None: out = echo.counted(out)
     prompt_text, prompt_logprobs = ("", None) if echo is None else echo.prompt(index, out, tokenizer)
     logprobs = completion_logprobs(out, tokenizer, 0, len(out.token_ids), len(prompt_text), out.text)
-    return {"index": index, "text": prompt_text + out.text, "finish_reason": out.finish_reason,
+    return {"index": index, "text": prompt_text + out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "logprobs": logprobs if echo is None else joined(prompt_logprobs, logprobs)}
 
 def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1, echo: Echo | None = None) -> dict:
@@ -461,7 +464,8 @@ def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1,
 def chat_response(rid: str, model: str, outs: list, tokenizer) -> dict:
     "The body of a finished, non-streamed chat completion: one choice per output, all of one conversation."
     choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason,
-                "logprobs": chat_logprobs(out, tokenizer, 0, len(out.token_ids))} for i, out in enumerate(outs)]
+                "stop_reason": out.stop_reason, "logprobs": chat_logprobs(out, tokenizer, 0, len(out.token_ids))}
+               for i, out in enumerate(outs)]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outs, len(outs))}
 
@@ -474,10 +478,10 @@ def chunk(rid: str, model: str, created: int, chat: bool, choices: list, usage: 
 def completion_delta(out: RequestOutput, tokenizer, text: str, start: int, end: int, text_offset: int, index: int = 0) -> dict:
     "Choice `index` of a completion chunk: new text, the log probabilities of tokens [start, end), the finish reason once done."
     return {"index": index, "text": text, "logprobs": completion_logprobs(out, tokenizer, start, end, text_offset, text),
-            "finish_reason": out.finish_reason if out.finished else None}
+            "finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason if out.finished else None}
 
 def chat_delta(out: RequestOutput | None, tokenizer, delta: dict, start: int = 0, end: int = 0, index: int = 0) -> dict:
     "Choice `index` of a chat chunk: a delta (role, content, or nothing), log probabilities, the finish reason once done."
     finished = out is not None and out.finished and not delta
     return {"index": index, "delta": delta, "logprobs": chat_logprobs(out, tokenizer, start, end) if out and end > start else None,
-            "finish_reason": out.finish_reason if finished else None}
+            "finish_reason": out.finish_reason if finished else None, "stop_reason": out.stop_reason if finished else None}

@@ -368,10 +368,11 @@ def find_stop(text: str, stops, start: int = 0) -> int:
 
 # %% ../chapters/06b_sampling.ipynb #316d33f1
 class StopCheck(NamedTuple):
-    "Whether a sequence is finished, why ('stop' or 'length'), and its text with any stop string cut off."
+    "Whether a sequence is finished, why ('stop' or 'length'), its text with any stop string cut off, and vLLM's stop_reason."
     finished: bool
     reason: str | None
     text: str
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS and the length
 
 def check_stop(token_id: int, text: str, num_generated: int, params: SamplingParams,
                eos_token_ids=(), prev_text_len: int = 0) -> StopCheck:
@@ -380,10 +381,11 @@ def check_stop(token_id: int, text: str, num_generated: int, params: SamplingPar
     # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check
     if num_generated < params.min_tokens: return StopCheck(False, None, text)  # vLLM's min_tokens: not yet, whatever came
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids
-    if (token_id in eos and not params.ignore_eos) or token_id in params.stop_token_ids:
-        return StopCheck(True, "stop", text)
+    if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text)
+    if token_id in params.stop_token_ids: return StopCheck(True, "stop", text, token_id)
     if params.stop:
         start = max(0, prev_text_len - max(map(len, params.stop)) + 1)  # a new match ends after prev_text_len
-        if (i := find_stop(text, params.stop, start)) >= 0: return StopCheck(True, "stop", text[:i])
+        if (i := find_stop(text, params.stop, start)) >= 0:
+            return StopCheck(True, "stop", text[:i], next(s for s in params.stop if text.startswith(s, i)))
     if num_generated >= params.max_tokens: return StopCheck(True, "length", text)
     return StopCheck(False, None, text)

@@ -253,10 +253,14 @@ def test_stop_strings_and_eos(default_llm):
     assert "5" in full.text
     cut = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop=["5"]), use_tqdm=False)[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index("5")]
+    assert cut.stop_reason == cut.outputs[0].stop_reason == "5" and full.stop_reason is None
     paris = default_llm.generate(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                  add_generation_prompt=True, tokenize=False), SamplingParams(temperature=0, max_tokens=40),
                                  use_tqdm=False)[0]
-    assert paris.finish_reason == "stop" and paris.token_ids[-1] in tok.stop_token_ids
+    assert paris.finish_reason == "stop" and paris.token_ids[-1] in tok.stop_token_ids and paris.stop_reason is None  # EOS
+    by_id = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0]
+    first = full.token_ids.index(full.token_ids[3])  # where that token first comes
+    assert by_id.stop_reason == full.token_ids[3] and by_id.token_ids == full.token_ids[:first + 1]
 
 
 def test_logprobs(default_llm):

@@ -179,7 +179,7 @@ def test_output_delta_pickles_to_itself():
     scored = PromptLogprobs([4, 5], 1)
     scored.fill(1, np.array([-2.5], np.float32), np.array([[9]]), np.array([[-0.25]], np.float32))
     d = OutputDelta("r", 3, "text", [1, 2], [TokenLogprobs(2, -0.5, [(2, -0.5), (7, -1.5)])], True, "stop", "boom",
-                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32, scored)
+                    RequestMetrics(1.0, 2.0, 3.0, 4.0, 1), 32, scored, "\n")
     assert pickle.loads(pickle.dumps(d)) == d
 
 
@@ -187,8 +187,8 @@ def test_outputs_equal_llm_generate(remote, llm):
     expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     async def main(): return await asyncio.gather(*(last_output(remote, p, q) for p, q in zip(PROMPTS, PARAMS)))
     for got, want in zip(asyncio.run(main()), expected):
-        assert (got.text, got.token_ids, got.finish_reason, got.prompt_token_ids) == \
-               (want.text, want.token_ids, want.finish_reason, want.prompt_token_ids)
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason, got.prompt_token_ids) == \
+               (want.text, want.token_ids, want.finish_reason, want.stop_reason, want.prompt_token_ids)
         assert (got.logprobs is None) == (want.logprobs is None)
         if got.logprobs:
             assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got.logprobs] == \

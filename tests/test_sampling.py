@@ -432,7 +432,7 @@ def feed(pieces, params, eos=(0,), token_ids=None):
 
 def test_stop_string_split_across_tokens():
     n, check = feed(["Hel", "lo W", "orld", "!"], SamplingParams(stop=["o Wo"], max_tokens=10))
-    assert (n, check) == (3, StopCheck(True, "stop", "Hell"))
+    assert (n, check) == (3, StopCheck(True, "stop", "Hell", "o Wo"))
 
 
 def test_trap_searching_only_the_new_text_misses_a_split_stop_string():
@@ -442,9 +442,9 @@ def test_trap_searching_only_the_new_text_misses_a_split_stop_string():
 
 
 def test_stop_string_spanning_three_tokens_and_inside_one_token():
-    assert feed(["a", "b", "c", "d", "e"], SamplingParams(stop="bcd"))[1] == StopCheck(True, "stop", "a")
-    assert feed(["xx", "yEND", "zz"], SamplingParams(stop="END"))[1] == StopCheck(True, "stop", "xxy")
-    assert feed(["STOP here"], SamplingParams(stop="STOP"))[1] == StopCheck(True, "stop", "")
+    assert feed(["a", "b", "c", "d", "e"], SamplingParams(stop="bcd"))[1] == StopCheck(True, "stop", "a", "bcd")
+    assert feed(["xx", "yEND", "zz"], SamplingParams(stop="END"))[1] == StopCheck(True, "stop", "xxy", "END")
+    assert feed(["STOP here"], SamplingParams(stop="STOP"))[1] == StopCheck(True, "stop", "", "STOP")
 
 
 def test_earliest_stop_string_wins():
@@ -461,6 +461,10 @@ def test_eos_stop_token_ids_and_ignore_eos():
     assert check_stop(2, "hi", 1, SamplingParams(ignore_eos=True), eos) == StopCheck(False, None, "hi")
     assert check_stop(5, "hi", 1, SamplingParams(stop_token_ids=[5], ignore_eos=True), eos).reason == "stop"
     assert check_stop(5, "hi", 1, SamplingParams(), eos) == StopCheck(False, None, "hi")
+    assert check_stop(5, "hi", 1, SamplingParams(stop_token_ids=[5]), eos) == StopCheck(True, "stop", "hi", 5)  # vLLM's stop_reason
+    assert check_stop(2, "hi", 1, SamplingParams(stop_token_ids=[2]), eos).stop_reason is None  # EOS first, as vLLM checks
+    assert feed(["hello world"], SamplingParams(stop=["world", "lo", "l"]))[1] == StopCheck(True, "stop", "he", "l")
+    assert feed(["hello world"], SamplingParams(stop=["llo", "ll"]))[1] == StopCheck(True, "stop", "he", "llo")  # the first given
 
 
 def test_length_and_precedence():

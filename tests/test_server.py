@@ -188,10 +188,16 @@ def test_stop_strings(client, reference):
     stop = ref[len(ref) // 2: len(ref) // 2 + 3]
     expected = ref[:ref.index(stop)]
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop, "never seen"])
-    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].stop_reason) == (expected, "stop", stop)  # vLLM's stop_reason
     streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop, stream=True)
     parts = list(streamed)
     assert "".join(p.choices[0].text for p in parts) == expected and parts[-1].choices[0].finish_reason == "stop"
+    assert parts[-1].choices[0].stop_reason == stop and all(p.choices[0].stop_reason is None for p in parts[:-1])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=16,
+                                          temperature=0, stop=["e"])
+    assert chat.choices[0].stop_reason == "e" and "e" not in chat.choices[0].message.content
+    long = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
 
 
 def test_seeds_are_reproducible(client):
