@@ -90,6 +90,7 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "n": (lambda v: _int(v) and v >= 1, "an integer >= 1", int),
     "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0", int),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
                  _or_none(int)),
     "prompt_logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
@@ -145,6 +146,7 @@ class SamplingParams:
     min_tokens: int = 0         # no end-of-sequence token, stop token or stop string before this many new tokens
     prompt_logprobs: int | None = None  # n: the log probability of each prompt token given those before it, and the top n
     n: int = 1                  # completions of the prompt: LLM.generate runs n sequences, choice j seeded with choice_seed
+    include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text, at the end of the output
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -378,14 +380,17 @@ def check_stop(token_id: int, text: str, num_generated: int, params: SamplingPar
                eos_token_ids=(), prev_text_len: int = 0) -> StopCheck:
     "Decide, after the new `token_id`, whether generation is finished; a stop beats the length limit."
     # text: the output decoded so far (special tokens skipped), including this token's text
-    # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check
+    # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check, where this
+    # token's text begins: a stop token's text is cut off too, as vLLM cuts it
     if num_generated < params.min_tokens: return StopCheck(False, None, text)  # vLLM's min_tokens: not yet, whatever came
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids
-    if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text)
-    if token_id in params.stop_token_ids: return StopCheck(True, "stop", text, token_id)
+    keep = params.include_stop_str_in_output
+    if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text if keep else text[:prev_text_len])
+    if token_id in params.stop_token_ids: return StopCheck(True, "stop", text if keep else text[:prev_text_len], token_id)
     if params.stop:
         start = max(0, prev_text_len - max(map(len, params.stop)) + 1)  # a new match ends after prev_text_len
         if (i := find_stop(text, params.stop, start)) >= 0:
-            return StopCheck(True, "stop", text[:i], next(s for s in params.stop if text.startswith(s, i)))
+            stop = next(s for s in params.stop if text.startswith(s, i))
+            return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
     if num_generated >= params.max_tokens: return StopCheck(True, "length", text)
     return StopCheck(False, None, text)

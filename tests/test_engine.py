@@ -261,6 +261,10 @@ def test_stop_strings_and_eos(default_llm):
     by_id = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[full.token_ids[3]]), use_tqdm=False)[0]
     first = full.token_ids.index(full.token_ids[3])  # where that token first comes
     assert by_id.stop_reason == full.token_ids[3] and by_id.token_ids == full.token_ids[:first + 1]
+    assert by_id.text == tok.decode(by_id.token_ids[:-1], skip_special_tokens=True)  # without the stop token's text, as vLLM
+    kept = default_llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop=["5"], include_stop_str_in_output=True),
+                                use_tqdm=False)[0]
+    assert kept.text == full.text[:full.text.index("5") + 1] and kept.stop_reason == "5"
 
 
 def test_logprobs(default_llm):

@@ -455,23 +455,28 @@ def test_earliest_stop_string_wins():
 
 def test_eos_stop_token_ids_and_ignore_eos():
     eos = {2, 9}
-    assert check_stop(2, "hi", 1, SamplingParams(), eos) == StopCheck(True, "stop", "hi")
+    assert check_stop(2, "hi", 1, SamplingParams(), eos, 2) == StopCheck(True, "stop", "hi")
     assert check_stop(9, "hi", 1, SamplingParams(), eos).reason == "stop"
     assert check_stop(2, "hi", 1, SamplingParams(), 2).reason == "stop"  # a single id works too
     assert check_stop(2, "hi", 1, SamplingParams(ignore_eos=True), eos) == StopCheck(False, None, "hi")
     assert check_stop(5, "hi", 1, SamplingParams(stop_token_ids=[5], ignore_eos=True), eos).reason == "stop"
     assert check_stop(5, "hi", 1, SamplingParams(), eos) == StopCheck(False, None, "hi")
-    assert check_stop(5, "hi", 1, SamplingParams(stop_token_ids=[5]), eos) == StopCheck(True, "stop", "hi", 5)  # vLLM's stop_reason
+    assert check_stop(5, "hi", 1, SamplingParams(stop_token_ids=[5]), eos, 2) == StopCheck(True, "stop", "hi", 5)  # vLLM's stop_reason
+    assert check_stop(5, "hi!", 1, SamplingParams(stop_token_ids=[5]), eos, 2).text == "hi"  # the stop token's text is cut, as vLLM cuts it
+    assert check_stop(5, "hi!", 1, SamplingParams(stop_token_ids=[5], include_stop_str_in_output=True), eos, 2).text == "hi!"
+    assert check_stop(2, "hi</s>", 1, SamplingParams(include_stop_str_in_output=True), eos, 2).text == "hi</s>"
     assert check_stop(2, "hi", 1, SamplingParams(stop_token_ids=[2]), eos).stop_reason is None  # EOS first, as vLLM checks
     assert feed(["hello world"], SamplingParams(stop=["world", "lo", "l"]))[1] == StopCheck(True, "stop", "he", "l")
     assert feed(["hello world"], SamplingParams(stop=["llo", "ll"]))[1] == StopCheck(True, "stop", "he", "llo")  # the first given
+    kept = SamplingParams(stop=["o W", "xyz"], include_stop_str_in_output=True)
+    assert feed(["Hel", "lo W", "orld"], kept) == (2, StopCheck(True, "stop", "Hello W", "o W"))  # vLLM's include_stop_str_in_output
 
 
 def test_length_and_precedence():
     assert check_stop(5, "abc", 3, SamplingParams(max_tokens=3), ()) == StopCheck(True, "length", "abc")
     assert check_stop(5, "abc", 2, SamplingParams(max_tokens=3), ()).finished is False
     assert check_stop(2, "abc", 3, SamplingParams(max_tokens=3), (2,)).reason == "stop"    # EOS beats length
-    assert check_stop(5, "ab.c", 3, SamplingParams(max_tokens=3, stop="."), (), 2) == StopCheck(True, "stop", "ab")
+    assert check_stop(5, "ab.c", 3, SamplingParams(max_tokens=3, stop="."), (), 2) == StopCheck(True, "stop", "ab", ".")
     assert check_stop(2, "abc", 3, SamplingParams(max_tokens=3, ignore_eos=True), (2,)).reason == "length"
 
 

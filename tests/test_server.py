@@ -196,6 +196,9 @@ def test_stop_strings(client, reference):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=16,
                                           temperature=0, stop=["e"])
     assert chat.choices[0].stop_reason == "e" and "e" not in chat.choices[0].message.content
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected + stop  # vLLM's include_stop_str_in_output
     long = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
 
