@@ -237,7 +237,7 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     ids = self._prompt_token_ids(prompt)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(request_id, ids, params, arrival)
-    detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids) if self.tokenizer else None
+    detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids) if self.tokenizer else None
     request = Request(seq, prompt if isinstance(prompt, str) else None, detok, make_generator(params.seed, self.runner.device),
                       RequestMetrics(arrival), stream, logprobs=[] if params.logprobs is not None else None,
                       prompt_logprobs=None if params.prompt_logprobs is None else PromptLogprobs(ids, params.prompt_logprobs))
@@ -484,7 +484,7 @@ def fewer_collections(threshold: int = ENGINE_GC_THRESHOLD):
 LLM._run = _run
 
 # %% ../chapters/11b_engine.ipynb #c11bch02
-def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
           add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list:
     """vLLM's LLM.chat: generate for a conversation (a list of {"role", "content"} messages) or a list of them, each
     rendered with the model's chat template (or `chat_template`); one RequestOutput per conversation, whose `prompt` is

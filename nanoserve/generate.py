@@ -120,7 +120,7 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
                          f"the model's context of {model.config.max_position_embeddings} tokens")
     weight = model.model.embed_tokens.weight  # dtype and device (an int8 LM head, chapter 9c, has no weight)
     cache = KVCache(model.config, max_len, weight.dtype, weight.device)
-    generator, detok = make_generator(params.seed, weight.device), IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+    generator, detok = make_generator(params.seed, weight.device), IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids)
     guard, out, text = StopStringGuard(params, on_text), [], ""
     start = time.perf_counter()
     logits = forward_cached(model, torch.tensor(prompt_ids, device=weight.device), cache)[-1:]  # prefill

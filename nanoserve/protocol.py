@@ -60,6 +60,7 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: Items[StrictInt] | None = Field(None, max_length=MAX_STOPS)  # vLLM
     ignore_eos: StrictBool = False                              # vLLM: keep going past the end-of-sequence token
     include_stop_str_in_output: StrictBool = False              # vLLM: end the text with the stop string that ended it
+    skip_special_tokens: StrictBool = True                      # vLLM: leave special tokens' text out of the output
     min_tokens: StrictInt | None = Field(None, ge=0)            # vLLM: no stop before this many tokens
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -97,7 +98,7 @@ class SamplingRequest(OpenAIModel):
             bias[int(key)] = float(value)
         return bias
 
-    @field_validator("n", "stream", "ignore_eos", "include_stop_str_in_output", mode="before")
+    @field_validator("n", "stream", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", mode="before")
     @classmethod
     def _null_is_default(cls, v, info):  # OpenAI's schema lets these be null, meaning "the default"
         return cls.model_fields[info.field_name].default if v is None else v
@@ -280,6 +281,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defa
     prompt_top = top if isinstance(req, CompletionRequest) and req.echo else None  # echoed prompts carry log probabilities too
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens,
                           logprobs=top, prompt_logprobs=prompt_top)
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653

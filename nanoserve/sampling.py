@@ -91,6 +91,7 @@ _CHECKS = {  # field: (is the value allowed?, what is allowed, the value kept: n
     "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0", int),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False", bool),
     "include_stop_str_in_output": (lambda v: isinstance(v, bool), "True or False", bool),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "True or False", bool),
     "logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
                  _or_none(int)),
     "prompt_logprobs": (lambda v: v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS), f"None or an integer from 0 to {MAX_LOGPROBS}",
@@ -147,6 +148,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # n: the log probability of each prompt token given those before it, and the top n
     n: int = 1                  # completions of the prompt: LLM.generate runs n sequences, choice j seeded with choice_seed
     include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text, at the end of the output
+    skip_special_tokens: bool = True  # leave special tokens' text (<|im_end|>, say) out of the output text
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -363,10 +365,11 @@ def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHi
     return with_logprobs(logits, token_ids, params)
 
 # %% ../chapters/06b_sampling.ipynb #b665a89e
-def find_stop(text: str, stops, start: int = 0) -> int:
-    "Index in `text` where the earliest of the `stops` strings found from `start` on begins, or -1."
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits, default=-1)
+def find_stop(text: str, stops, new_from: int = 0) -> tuple:
+    """(where it begins, which) of the earliest of the `stops` strings in `text` that ends after position `new_from`,
+    the first of them on a tie; (-1, None) if none does. A match that ends earlier is not new: it was searched for."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(hits, key=lambda hit: hit[0], default=(-1, None))
 
 # %% ../chapters/06b_sampling.ipynb #316d33f1
 class StopCheck(NamedTuple):
@@ -379,7 +382,7 @@ class StopCheck(NamedTuple):
 def check_stop(token_id: int, text: str, num_generated: int, params: SamplingParams,
                eos_token_ids=(), prev_text_len: int = 0) -> StopCheck:
     "Decide, after the new `token_id`, whether generation is finished; a stop beats the length limit."
-    # text: the output decoded so far (special tokens skipped), including this token's text
+    # text: the output decoded so far (special tokens skipped, unless params.skip_special_tokens is False), this token's too
     # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check, where this
     # token's text begins: a stop token's text is cut off too, as vLLM cuts it
     if num_generated < params.min_tokens: return StopCheck(False, None, text)  # vLLM's min_tokens: not yet, whatever came
@@ -387,10 +390,7 @@ def check_stop(token_id: int, text: str, num_generated: int, params: SamplingPar
     keep = params.include_stop_str_in_output
     if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text if keep else text[:prev_text_len])
     if token_id in params.stop_token_ids: return StopCheck(True, "stop", text if keep else text[:prev_text_len], token_id)
-    if params.stop:
-        start = max(0, prev_text_len - max(map(len, params.stop)) + 1)  # a new match ends after prev_text_len
-        if (i := find_stop(text, params.stop, start)) >= 0:
-            stop = next(s for s in params.stop if text.startswith(s, i))
-            return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
+    i, stop = find_stop(text, params.stop, prev_text_len)  # a new match ends in this token's text
+    if stop is not None: return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
     if num_generated >= params.max_tokens: return StopCheck(True, "length", text)
     return StopCheck(False, None, text)

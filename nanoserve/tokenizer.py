@@ -183,7 +183,7 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(f"{self.name} has no chat template (no 'chat_template' in tokenizer_config.json and no "
-                             "chat_template.jinja): pass a plain text prompt instead of messages, or give a chat template")
+                             "chat_template.jinja): pass a plain text prompt instead of messages")
         text = render_chat_template(template, messages, add_generation_prompt,
                                     **{**self.special_tokens, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -208,11 +208,15 @@ def load_chat_template(template: str) -> str:
         raise ValueError(f"chat_template={template!r}: expected the path of a template file, or a template")
     try: is_file = Path(template).expanduser().is_file()
     except (OSError, ValueError): is_file = False  # a template too long for a file name, or with a NUL in it
-    if is_file: template = Path(template).expanduser().read_text(encoding="utf-8")
+    source = "chat_template"
+    if is_file:
+        path, source = Path(template).expanduser(), f"chat_template={template!r}"
+        try: template = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e: raise ValueError(f"{source}: not UTF-8 text ({e})") from None
     elif not any(c in template for c in "{}\n"):
-        raise ValueError(f"chat_template={reprlib.repr(template)}: no such file, and not a template either (it has no {{ or }})")
+        raise ValueError(f"chat_template={reprlib.repr(template)}: not a file, and not a template either (it has no {{ or }})")
     try: compile_chat_template(template)
-    except jinja2.TemplateSyntaxError as e: raise ValueError(f"chat_template: line {e.lineno}: {e.message}") from None
+    except jinja2.TemplateSyntaxError as e: raise ValueError(f"{source}: line {e.lineno}: {e.message}") from None
     return template
 
 def load_tokenizer(model=None) -> Tokenizer:

@@ -267,6 +267,18 @@ def test_stop_strings_and_eos(default_llm):
     assert kept.text == full.text[:full.text.index("5") + 1] and kept.stop_reason == "5"
 
 
+def test_skip_special_tokens_as_vllm(default_llm):
+    "skip_special_tokens=False keeps the text of special tokens, here the end of turn that ignore_eos lets through."
+    tok = default_llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    base = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    skipped = default_llm.generate(chat, SamplingParams(**base), use_tqdm=False)[0]
+    shown = default_llm.generate(chat, SamplingParams(**base, skip_special_tokens=False), use_tqdm=False)[0]
+    assert shown.token_ids == skipped.token_ids and set(shown.token_ids) & set(tok.stop_token_ids)
+    assert skipped.text == tok.decode(skipped.token_ids, skip_special_tokens=True) and "<|im_end|>" not in skipped.text
+    assert shown.text == tok.decode(shown.token_ids) and "<|im_end|>" in shown.text
+
+
 def test_logprobs(default_llm):
     out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
     assert len(out.logprobs) == 4

@@ -437,7 +437,8 @@ def test_stop_string_split_across_tokens():
 
 def test_trap_searching_only_the_new_text_misses_a_split_stop_string():
     text, prev = "Hello World", len("Hello W")
-    assert find_stop(text, ["o Wo"], start=prev) == -1  # the naive search: only the new piece "orld"
+    assert text.find("o Wo", prev) == -1  # the naive search: only the new piece "orld"
+    assert find_stop(text, ["o Wo"], prev) == (4, "o Wo")
     assert check_stop(1, text, 3, SamplingParams(stop="o Wo"), (), prev_text_len=prev).text == "Hell"
 
 
@@ -450,7 +451,16 @@ def test_stop_string_spanning_three_tokens_and_inside_one_token():
 def test_earliest_stop_string_wins():
     params = SamplingParams(stop=["world", "lo", "xyz"])
     assert feed(["hello world"], params)[1].text == "hel"
-    assert find_stop("abcabc", ["c", "bc"]) == 1 and find_stop("abc", ["z"]) == -1 and find_stop("abc", []) == -1
+    assert find_stop("abcabc", ["c", "bc"]) == (1, "bc") and find_stop("abc", ["z"]) == find_stop("abc", []) == (-1, None)
+    assert find_stop("abcabc", ["bc", "c"]) == (1, "bc") and find_stop("xabq", ["ab"], 3) == (-1, None)  # "ab" ended before
+
+
+def test_a_stop_string_that_ended_while_min_tokens_held_stops_nothing_later():
+    "Only a match that ends in the new text is new: one that ended inside min_tokens stays ignored, whatever the other stops."
+    for stops in (["ab"], ["ab", "wxyz"]):
+        for keep in (False, True):
+            p = SamplingParams(stop=stops, min_tokens=2, max_tokens=5, include_stop_str_in_output=keep)
+            assert feed(["xabq", "c", "d"], p) == (3, StopCheck(False, None, "xabqcd"))
 
 
 def test_eos_stop_token_ids_and_ignore_eos():

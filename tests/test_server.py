@@ -199,6 +199,9 @@ def test_stop_strings(client, reference):
     kept = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop,
                                      extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == expected + stop  # vLLM's include_stop_str_in_output
+    raw = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                         max_tokens=24, temperature=0, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "<|im_end|>" in raw.choices[0].message.content  # vLLM's skip_special_tokens
     long = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
 
@@ -1084,6 +1087,7 @@ def test_chat_template_given_to_the_server_renders_every_conversation(tiny_chat_
         assert chat["usage"]["prompt_tokens"] == len(want)
 
 
+@pytest.mark.parametrize("engine_process", [False, True])
 def test_requests_start_from_the_models_generation_config_and_override_it(tiny_chat_model, tmp_path, caplog, engine_process):
     """As vLLM's --generation-config auto: a request without temperature takes the model's, and a chat request without
     max_tokens its max_new_tokens (a completion's max_tokens defaults to 16, OpenAI's); the request's own fields win."""
