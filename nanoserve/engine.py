@@ -144,7 +144,8 @@ class Request:
     def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
         seq, text = self.seq, self.text
-        if not seq.is_finished and seq.params.stop and not seq.params.include_stop_str_in_output: text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        if not seq.is_finished and seq.params.stop and not seq.params.include_stop_str_in_output:
+            text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
         ids, logprobs = seq.output_token_ids, self.logprobs  # snapshot=False: the live lists, O(1) instead of O(tokens)
         if snapshot: ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
         return RequestOutput(str(seq.seq_id), self.prompt, seq.prompt_token_ids, text, ids, seq.is_finished, seq.finish_reason,

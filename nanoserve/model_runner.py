@@ -48,7 +48,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False  # decode tokens first in every step, prompts in chunks after them (chapter 10)
     quantization: str | None = None       # "int8": the linear layers' weights as int8 rows with scales (chapter 9c)
     generation_config: str = "auto"       # requests' sampling defaults: the model's ("auto"), none ("vllm"), or a folder's
-    override_generation_config: dict | None = dataclasses.field(default=None, hash=False)  # generation_config.json fields over those (vLLM's)
+    override_generation_config: dict | None = dataclasses.field(default=None, hash=False)  # fields over those (vLLM's)
     seed: int = 0
 
     def __post_init__(self):
