@@ -444,7 +444,7 @@ class OpenAIServer:
 def _include_usage(req) -> bool: return req.stream_options is not None and req.stream_options.include_usage
 
 def add_routes(app: FastAPI, server: OpenAIServer):
-    "The OpenAI routes, /health and /metrics."
+    "The OpenAI routes, /health, /version and /metrics."
     error_docs = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
     @app.get("/health")
@@ -452,6 +452,11 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "200 while the engine runs; 503 once it has stopped."
         return Response(status_code=200 if server.engine.is_running else 503)
     app.head("/health", include_in_schema=False)(health)  # load balancers often probe with HEAD
+
+    @app.get("/version")
+    async def version():
+        "The server's version, as vLLM's /version gives its own."
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():

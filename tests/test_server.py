@@ -89,6 +89,8 @@ def test_models_and_health(url, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="gpt-5"): client.models.retrieve("gpt-5")
     assert httpx.get(f"{url}/health").status_code == 200 and httpx.head(f"{url}/health").status_code == 200
+    from nanoserve import __version__
+    assert httpx.get(f"{url}/version").json() == {"version": __version__}
     assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
 
@@ -852,6 +854,7 @@ def guarded(tiny_chat_model):
 
 def test_api_key_is_required_on_v1_only(guarded):
     assert httpx.get(f"{guarded}/health").status_code == 200 and httpx.get(f"{guarded}/metrics").status_code == 200
+    assert httpx.get(f"{guarded}/version").status_code == 200  # no key needed, as for vLLM's
     for header in (None, "Bearer wrong", "secret", "Basic secret", "Bearer secretx", "Bearer"):
         r = httpx.get(f"{guarded}/v1/models", headers={"authorization": header} if header else {})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", header
