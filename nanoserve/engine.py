@@ -122,8 +122,11 @@ class RequestOutput:
     @property
     def outputs(self) -> list:
         "vLLM's list of completions: the n choices of LLM.generate, else this request's one; `text` and `token_ids` are the first's."
-        return self.choices or [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
-                                                 self.stop_reason, self.error)]
+        return self.choices or [self.completion(0)]
+
+    def completion(self, index: int) -> CompletionOutput:
+        "This request's completion as choice `index` of its prompt."
+        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason, self.error)
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
 @dataclass
@@ -445,9 +448,7 @@ def _grouped(outputs: list, counts: list) -> list:
     it, grouped = iter(outputs), []
     for n in counts:
         first, *others = itertools.islice(it, n)
-        if others: first = dataclasses.replace(first, choices=[CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.logprobs,
-                                                                                  o.stop_reason, o.error)
-                                                                 for j, o in enumerate([first, *others])])
+        if others: first = dataclasses.replace(first, choices=[o.completion(j) for j, o in enumerate([first, *others])])
         grouped.append(first)
     return grouped
 

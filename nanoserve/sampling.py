@@ -390,7 +390,8 @@ def check_stop(token_id: int, text: str, num_generated: int, params: SamplingPar
     keep = params.include_stop_str_in_output
     if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text if keep else text[:prev_text_len])
     if token_id in params.stop_token_ids: return StopCheck(True, "stop", text if keep else text[:prev_text_len], token_id)
-    i, stop = find_stop(text, params.stop, prev_text_len)  # a new match ends in this token's text
-    if stop is not None: return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
+    if params.stop:  # most requests have none: no search on their every token
+        i, stop = find_stop(text, params.stop, prev_text_len)  # a new match ends in this token's text
+        if stop is not None: return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
     if num_generated >= params.max_tokens: return StopCheck(True, "length", text)
     return StopCheck(False, None, text)
