@@ -1,6 +1,8 @@
-"The book's notebook reader extension: nbdev directives become jupyter-book tags and never show."
+"The book's notebook reader extension (nbdev directives become jupyter-book tags and never show) and its parallel build."
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "_ext"))
 from nbdev_directives import skip_flags, split_directives, tags_for, translate_notebook  # noqa: E402
@@ -49,3 +51,32 @@ def test_every_chapter_translates_without_visible_directives():
         for cell in nb["cells"]:
             if cell["cell_type"] == "code":
                 assert not any(line.lstrip().startswith("#|") for line in cell["source"].splitlines()), nb_path.name
+
+
+def test_build_book_declares_extensions_parallel_safe_and_keeps_their_metadata():
+    from build_book import declared_parallel_safe
+    setup = declared_parallel_safe(lambda app: {"version": "1.2", "parallel_read_safe": False, "env_version": 3})
+    assert setup(None) == {"version": "1.2", "parallel_read_safe": True, "parallel_write_safe": True, "env_version": 3}
+    assert declared_parallel_safe(lambda app: None)(None) == {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+def test_build_book_passes_jobs_to_sphinx_and_the_rest_to_jupyter_book(monkeypatch):
+    import build_book, jupyter_book.sphinx, sphinx_jupyterbook_latex, sphinx_multitoc_numbering
+    originals = {module: module.setup for module in (sphinx_multitoc_numbering, sphinx_jupyterbook_latex)}
+    for module, name in ((jupyter_book.sphinx, "build_sphinx"), *((m, "setup") for m in originals)):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    calls = []
+    monkeypatch.setattr(build_book, "main", calls.append)
+    build_book.run(["--jobs", "3", "build", "-W", "--keep-going", "."])
+    assert calls == [["build", "-W", "--keep-going", "."]]
+    assert jupyter_book.sphinx.build_sphinx.keywords == {"jobs": 3}
+    for module, setup in originals.items():  # wrapped, not called: their setup patches Sphinx itself
+        assert module.setup.__wrapped__ is setup
+
+
+@pytest.mark.parametrize("jobs", [[], ["0"], ["two"], ["-1"]])
+def test_build_book_refuses_a_bad_jobs_count(monkeypatch, jobs):
+    import build_book
+    monkeypatch.setattr(build_book, "main", lambda argv: pytest.fail("built with a bad --jobs"))
+    with pytest.raises(SystemExit, match="--jobs.*expected a positive integer"):
+        build_book.run(["--jobs", *jobs])
