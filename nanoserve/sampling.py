@@ -380,18 +380,21 @@ class StopCheck(NamedTuple):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS and the length
 
 def check_stop(token_id: int, text: str, num_generated: int, params: SamplingParams,
-               eos_token_ids=(), prev_text_len: int = 0) -> StopCheck:
+               eos_token_ids=(), prev_text_len: int | None = None) -> StopCheck:
     "Decide, after the new `token_id`, whether generation is finished; a stop beats the length limit."
     # text: the output decoded so far (special tokens skipped, unless params.skip_special_tokens is False), this token's too
     # num_generated: new tokens so far, this one included; prev_text_len: len(text) at the previous check, where this
-    # token's text begins: a stop token's text is cut off too, as vLLM cuts it
+    # token's text begins: a stop token's text is cut off too, as vLLM cuts it. None: not known, so nothing is cut
+    # for a stop token, and stop strings are searched for in all of text
     if num_generated < params.min_tokens: return StopCheck(False, None, text)  # vLLM's min_tokens: not yet, whatever came
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids
-    keep = params.include_stop_str_in_output
-    if token_id in eos and not params.ignore_eos: return StopCheck(True, "stop", text if keep else text[:prev_text_len])
-    if token_id in params.stop_token_ids: return StopCheck(True, "stop", text if keep else text[:prev_text_len], token_id)
+    eos_stop = token_id in eos and not params.ignore_eos
+    if eos_stop or token_id in params.stop_token_ids:  # a stop token: its own text goes too, unless asked for
+        kept = text if params.include_stop_str_in_output or prev_text_len is None else text[:prev_text_len]
+        return StopCheck(True, "stop", kept, None if eos_stop else token_id)  # as vLLM, no stop_reason for EOS
     if params.stop:  # most requests have none: no search on their every token
-        i, stop = find_stop(text, params.stop, prev_text_len)  # a new match ends in this token's text
-        if stop is not None: return StopCheck(True, "stop", text[:i + len(stop)] if keep else text[:i], stop)
+        i, stop = find_stop(text, params.stop, prev_text_len or 0)  # a new match ends in this token's text
+        if stop is not None:
+            return StopCheck(True, "stop", text[:i + len(stop)] if params.include_stop_str_in_output else text[:i], stop)
     if num_generated >= params.max_tokens: return StopCheck(True, "length", text)
     return StopCheck(False, None, text)

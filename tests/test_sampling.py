@@ -476,6 +476,10 @@ def test_eos_stop_token_ids_and_ignore_eos():
     assert check_stop(5, "hi!", 1, SamplingParams(stop_token_ids=[5], include_stop_str_in_output=True), eos, 2).text == "hi!"
     assert check_stop(2, "hi</s>", 1, SamplingParams(include_stop_str_in_output=True), eos, 2).text == "hi</s>"
     assert check_stop(2, "hi", 1, SamplingParams(stop_token_ids=[2]), eos).stop_reason is None  # EOS first, as vLLM checks
+    # where the token's text begins not given: nothing is cut for a stop token, and a stop string is found anywhere
+    assert check_stop(5, "hi!", 1, SamplingParams(stop_token_ids=[5]), eos) == StopCheck(True, "stop", "hi!", 5)
+    assert check_stop(2, "hi</s>", 1, SamplingParams(skip_special_tokens=False), eos).text == "hi</s>"
+    assert check_stop(7, "ab.cd", 2, SamplingParams(stop="."), eos) == StopCheck(True, "stop", "ab", ".")
     assert feed(["hello world"], SamplingParams(stop=["world", "lo", "l"]))[1] == StopCheck(True, "stop", "he", "l")
     assert feed(["hello world"], SamplingParams(stop=["llo", "ll"]))[1] == StopCheck(True, "stop", "he", "llo")  # the first given
     kept = SamplingParams(stop=["o W", "xyz"], include_stop_str_in_output=True)
