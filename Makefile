@@ -15,9 +15,9 @@ MATHJAX := _static/mathjax/tex-chtml.js
 HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 export TRITON_INTERPRET ?= $(if $(HAVE_GPU),0,1)
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || echo /usr/bin/chromium)
-# pytest workers, and chapters the book executes at once: one per core, at most 4 (each holds a model in memory),
-# each with one torch thread (two per process would oversubscribe the cores)
-JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+# pytest workers, and chapters nbdev_test and the book execute at once: one per core, at most 4 (each holds a model
+# in memory), each with one torch thread (two per process would oversubscribe the cores)
+JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: setup model book test pytest nbtest sync bookbuild browser generate serve clean
 PROMPT ?= What is the capital of France?
@@ -59,8 +59,8 @@ book: bookbuild
 pytest: model
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(JOBS)
 
-nbtest: model  ## one notebook per core, one thread each (two torch threads per notebook oversubscribe)
-	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --do_print --timing
+nbtest: model  ## JOBS notebooks at once, one torch thread each
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers $(JOBS) --do_print --timing
 
 sync: setup  ## the package is exactly what the notebooks export
 	$(BIN)/nbdev_export && $(BIN)/nbdev_clean

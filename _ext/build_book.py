@@ -11,33 +11,44 @@ in the way, and this file moves both:
 - Sphinx reads serially when any extension does not declare itself safe for it, and two that jupyter-book loads
   declare nothing. Both are safe: sphinx_multitoc_numbering (sphinx_external_toc always loads it) only replaces
   the method that numbers sections, which runs in the main process after every document is read and merged;
-  sphinx_jupyterbook_latex adds nodes and per-document transforms that act in LaTeX builds and keep no state.
+  sphinx_jupyterbook_latex adds nodes and transforms that each change only their own document's tree.
+An extension that declares itself unsafe keeps its word: Sphinx then warns and reads serially, and `-W` fails.
 """
 import functools, sys
 
+import jupyter_book.cli.main
 import jupyter_book.sphinx
 import sphinx_jupyterbook_latex, sphinx_multitoc_numbering
-from jupyter_book.cli.main import main
 
 
 def declared_parallel_safe(setup):
-    "An extension's setup that also declares the extension safe for parallel reading and writing."
+    "An extension's setup that declares it safe for parallel reading and writing, unless it declares otherwise."
     @functools.wraps(setup)
     def wrapped(app):
-        return {**(setup(app) or {}), "parallel_read_safe": True, "parallel_write_safe": True}
+        return {"parallel_read_safe": True, "parallel_write_safe": True, **(setup(app) or {})}
     return wrapped
 
 
+def parse_jobs(argv: list[str]) -> tuple:
+    "(jobs, the rest of argv) from `--jobs N ...`; (None, argv) without `--jobs`."
+    if argv[:1] != ["--jobs"]: return None, argv
+    try: jobs = int(argv[1])
+    except (IndexError, ValueError): jobs = 0
+    if jobs < 1: sys.exit(f"--jobs {' '.join(argv[1:2]) or '(missing)'}: expected a positive integer")
+    return jobs, argv[2:]
+
+
 def run(argv: list[str]) -> None:
-    if argv[:1] == ["--jobs"]:
-        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
-            sys.exit(f"--jobs {' '.join(argv[1:2])}: expected a positive integer")
-        jobs, argv = int(argv[1]), argv[2:]
+    jobs, argv = parse_jobs(argv)
+    if jobs is not None:
+        # jupyter-book's build command imports build_sphinx when it runs, so patching the module reaches it; a
+        # version that binds it at import would silently build serially
+        if "build_sphinx" in vars(jupyter_book.cli.main):
+            raise RuntimeError("this jupyter-book binds build_sphinx at import, where --jobs cannot reach it")
+        jupyter_book.sphinx.build_sphinx = functools.partial(jupyter_book.sphinx.build_sphinx, jobs=jobs)
         for extension in (sphinx_multitoc_numbering, sphinx_jupyterbook_latex):
             extension.setup = declared_parallel_safe(extension.setup)
-        # jupyter_book.cli.main imports build_sphinx inside its build command: patching the module reaches it
-        jupyter_book.sphinx.build_sphinx = functools.partial(jupyter_book.sphinx.build_sphinx, jobs=jobs)
-    main(argv)
+    jupyter_book.cli.main.main(argv)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,12 @@ def row(model, B, S, block_size, tile, max_splits, copy_gbs) -> dict:
     try:
         if tile: kernels.decode_tile = lambda programs_per_sm, head_dim: tile
         if max_splits: kernels.DECODE_MAX_SPLITS = max_splits
-        r = pa.decode_row(model, B, S, block_size, with_sdpa=block_size == BLOCK_SIZES[0] and tile is None and max_splits is None)
+        library = tile is None and max_splits is None
+        r = pa.decode_row(model, B, S, block_size, with_sdpa=library and block_size == BLOCK_SIZES[0])
     finally:
         kernels.decode_tile, kernels.DECODE_MAX_SPLITS = library_tile, library_max
-    return {**r, "tile_override": tile, "max_splits": max_splits, "frac_copy": r["gbs"] / copy_gbs if "gbs" in r else None}
+    frac_copy = r["gbs"] / copy_gbs if "gbs" in r else None
+    return {**r, "tile_override": tile, "max_splits": max_splits, "frac_copy": frac_copy}
 
 
 def main(argv=None):
@@ -57,8 +59,8 @@ def main(argv=None):
                     if "skipped" in r:
                         pa.log(f"{model} B={B} S={S} block {block_size}: skipped, {r['skipped']}")
                         continue
-                    pa.log(f"{model:13s} B={B:3d} S={S:5d} block {block_size:2d} tile {r['tile']} splits {r['num_splits']:2d}: "
-                           f"{1e3 * r['ms']:7.2f} us ({r['frac_copy']:.3f} of copy)" +
+                    pa.log(f"{model:13s} B={B:3d} S={S:5d} block {block_size:2d} tile {r['tile']} "
+                           f"splits {r['num_splits']:2d}: {1e3 * r['ms']:7.2f} us ({r['frac_copy']:.3f} of copy)" +
                            (f"  SDPA {1e3 * r['sdpa_ms']:7.2f} us" if "sdpa_ms" in r else ""))
     text = json.dumps(res, indent=1)
     print(text)

@@ -424,54 +424,53 @@ class LLM:
         "Generate for every prompt; returns RequestOutputs in the order of the prompts."
         prompts = _as_prompt_list(prompts)
         params = self._default_params(prompts) if sampling_params is None else _as_params_list(sampling_params, len(prompts))
-        engine, groups = self.llm_engine, []
+        engine, ids = self.llm_engine, []
         if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
             others = ", ".join(map(repr, itertools.islice(engine.requests, 3))) + (", ..." if len(engine.requests) > 3 else "")
             raise ValueError(f"the engine holds requests that generate did not add ({others}): step them to the end "
                              "with llm_engine.step(), or abort them, first")
         try:
             for k, (prompt, p) in enumerate(zip(prompts, params)):
-                groups.append([])  # the request ids of prompt k's choices
-                for choice in range(p.n): groups[-1].append(engine.add_request(None, prompt, _choice_params(p, choice), stream=False))
+                for choice in range(p.n): ids.append(engine.add_request(None, prompt, _choice_params(p, choice), stream=False))
         except BaseException as e:  # refuse the whole call (a Ctrl-C too), and leave no half-added requests behind
-            for i in itertools.chain(*groups): engine.abort(i)
+            for i in ids: engine.abort(i)
             if isinstance(e, ValueError): raise ValueError(f"prompt {k}: {e}") from None
             raise
-        return [_with_choices(outputs) for outputs in self._run(groups, use_tqdm)]
+        return _grouped(self._run(ids, use_tqdm), [p.n for p in params])
 
 def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
     "The SamplingParams of choice `choice` of a prompt that asks for params.n: one sequence, a seed of its own if seeded."
     if params.n == 1: return params
     return dataclasses.replace(params, n=1, seed=None if params.seed is None else choice_seed(params.seed, choice))
 
-def _with_choices(outputs: list) -> RequestOutput:
-    "One RequestOutput for a prompt from the outputs of its n choices, in order: the first's, with all n in `outputs`."
-    first, *others = outputs
-    return dataclasses.replace(first, choices=[o.completion(j) for j, o in enumerate(outputs)]) if others else first
+def _grouped(outputs: list, counts: list) -> list:
+    "One RequestOutput per prompt from the outputs of its counts[k] choices, in order: the first's, with all n in `outputs`."
+    it, grouped = iter(outputs), []
+    for n in counts:
+        first, *others = itertools.islice(it, n)
+        if others: first = dataclasses.replace(first, choices=[o.completion(j) for j, o in enumerate([first, *others])])
+        grouped.append(first)
+    return grouped
 
 # %% ../chapters/11b_engine.ipynb #dd22128f
-def _run(self: LLM, groups: list, use_tqdm: bool) -> list:
-    """Step the engine until every request in `groups` (one list of request ids per prompt) has finished; their outputs,
-    grouped alike. The bar counts prompts, as vLLM's does: one is processed when all its choices are. If a step raises
+def _run(self: LLM, ids: list, use_tqdm: bool) -> list:
+    """Step the engine until every request in `ids` has finished; their outputs in the order of `ids`. If a step raises
     (a Ctrl-C, a device error), the requests are aborted first: a step cut short leaves them half-way through it."""
     from tqdm import tqdm
-    prompt_of = {i: k for k, ids in enumerate(groups) for i in ids}
-    done, left, tokens, start = {}, [len(ids) for ids in groups], 0, time.perf_counter()
+    done, wanted, tokens, start = {}, set(ids), 0, time.perf_counter()
     try:
-        with tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar, fewer_collections():
-            while len(done) < len(prompt_of):
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar, fewer_collections():
+            while wanted - done.keys():
                 for out in self.llm_engine.step():
-                    k = prompt_of.get(out.request_id)
-                    if out.finished and k is not None:
+                    if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         tokens += len(out.token_ids)
-                        left[k] -= 1
-                        if left[k] == 0: bar.update(1)
+                        bar.update(1)
                         bar.set_postfix_str(f"output {tokens / (time.perf_counter() - start):.1f} tok/s")
     except BaseException:
-        for i in prompt_of.keys() - done.keys(): self.llm_engine.abort(i)
+        for i in wanted - done.keys(): self.llm_engine.abort(i)
         raise
-    return [[done[i] for i in ids] for ids in groups]
+    return [done[i] for i in ids]
 
 ENGINE_GC_THRESHOLD = 50_000  # allocations between collections of Python's youngest generation while generate steps (default 700)
 

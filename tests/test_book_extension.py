@@ -1,5 +1,5 @@
 "The book's notebook reader extension (nbdev directives become jupyter-book tags and never show) and its parallel build."
-import sys
+import re, sys
 from pathlib import Path
 
 import pytest
@@ -53,30 +53,34 @@ def test_every_chapter_translates_without_visible_directives():
                 assert not any(line.lstrip().startswith("#|") for line in cell["source"].splitlines()), nb_path.name
 
 
-def test_build_book_declares_extensions_parallel_safe_and_keeps_their_metadata():
+def test_build_book_declares_extensions_parallel_safe_unless_they_say_otherwise():
     from build_book import declared_parallel_safe
-    setup = declared_parallel_safe(lambda app: {"version": "1.2", "parallel_read_safe": False, "env_version": 3})
+    setup = declared_parallel_safe(lambda app: {"version": "1.2", "env_version": 3})
     assert setup(None) == {"version": "1.2", "parallel_read_safe": True, "parallel_write_safe": True, "env_version": 3}
     assert declared_parallel_safe(lambda app: None)(None) == {"parallel_read_safe": True, "parallel_write_safe": True}
+    assert declared_parallel_safe(lambda app: {"parallel_read_safe": False})(None)["parallel_read_safe"] is False
 
 
 def test_build_book_passes_jobs_to_sphinx_and_the_rest_to_jupyter_book(monkeypatch):
-    import build_book, jupyter_book.sphinx, sphinx_jupyterbook_latex, sphinx_multitoc_numbering
+    import build_book, jupyter_book.cli.main, jupyter_book.sphinx, sphinx_jupyterbook_latex, sphinx_multitoc_numbering
     originals = {module: module.setup for module in (sphinx_multitoc_numbering, sphinx_jupyterbook_latex)}
     for module, name in ((jupyter_book.sphinx, "build_sphinx"), *((m, "setup") for m in originals)):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     calls = []
-    monkeypatch.setattr(build_book, "main", calls.append)
+    monkeypatch.setattr(jupyter_book.cli.main, "main", calls.append)
     build_book.run(["--jobs", "3", "build", "-W", "--keep-going", "."])
     assert calls == [["build", "-W", "--keep-going", "."]]
     assert jupyter_book.sphinx.build_sphinx.keywords == {"jobs": 3}
+    assert "build_sphinx" not in vars(jupyter_book.cli.main)  # imported when the command runs: the patch reaches it
     for module, setup in originals.items():  # wrapped, not called: their setup patches Sphinx itself
         assert module.setup.__wrapped__ is setup
+    build_book.run(["build", "."])  # without --jobs: jupyter-book as it is
+    assert calls[-1] == ["build", "."]
 
 
-@pytest.mark.parametrize("jobs", [[], ["0"], ["two"], ["-1"]])
-def test_build_book_refuses_a_bad_jobs_count(monkeypatch, jobs):
-    import build_book
-    monkeypatch.setattr(build_book, "main", lambda argv: pytest.fail("built with a bad --jobs"))
-    with pytest.raises(SystemExit, match="--jobs.*expected a positive integer"):
+@pytest.mark.parametrize("jobs, shown", [([], "(missing)"), (["0"], "0"), (["two"], "two"), (["-1"], "-1"), (["²"], "²")])
+def test_build_book_refuses_a_bad_jobs_count(monkeypatch, jobs, shown):
+    import build_book, jupyter_book.cli.main
+    monkeypatch.setattr(jupyter_book.cli.main, "main", lambda argv: pytest.fail("built with a bad --jobs"))
+    with pytest.raises(SystemExit, match=f"^--jobs {re.escape(shown)}: expected a positive integer$"):
         build_book.run(["--jobs", *jobs])

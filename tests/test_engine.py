@@ -343,15 +343,15 @@ def test_n_completions_per_prompt_as_vllm_returns_them(default_llm):
         default_llm.llm_engine.add_request(None, "Hi", SamplingParams(n=2))
 
 
-def test_n_choices_per_prompt_of_a_params_list_and_a_progress_bar_of_prompts(default_llm, capsys):
-    "Each prompt gets its own n; the progress bar counts prompts (all their choices finished), as vLLM's does, not requests."
+def test_n_choices_per_prompt_of_a_params_list_and_a_progress_bar_of_completions(default_llm, capsys):
+    "Each prompt gets its own n; the progress bar counts completions (prompts times n), as vLLM V1's does."
     params = [SamplingParams(temperature=1.0, seed=3, max_tokens=4, n=3), SamplingParams(temperature=0, max_tokens=4),
               SamplingParams(temperature=1.0, seed=5, max_tokens=4, n=2)]
     outs = default_llm.generate(["Once upon a time", "Hi", "The weather today"], params, use_tqdm=True)
     assert [len(o.outputs) for o in outs] == [3, 1, 2]
     assert [o.prompt for o in outs] == ["Once upon a time", "Hi", "The weather today"]
     bar = capsys.readouterr().err
-    assert "Processed prompts" in bar and "3/3" in bar and "/6" not in bar
+    assert "Processed prompts" in bar and "6/6" in bar
 
 
 def test_chat_renders_each_conversation_with_the_template_as_vllm(default_llm):
