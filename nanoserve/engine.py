@@ -195,8 +195,14 @@ class LLMEngine:
         caching = c.enable_prefix_caching
         blocks = (PrefixCachingBlockManager if caching else BlockManager)(self.runner.num_blocks, c.block_size)
         self.scheduler = (PrefixCachingScheduler if caching else Scheduler)(self.runner.scheduler_config, blocks)
-        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else \
+        # the tokenizer's own end-of-sequence token ends a request with no stop_reason; the other ids that
+        # generation_config.json lists join each request's stop_token_ids (unless it ignores EOS), as in vLLM, so
+        # that stop_reason names them. Without a tokenizer, they all do
+        own = self.tokenizer.eos_token_id if self.tokenizer else None
+        every = self.tokenizer.stop_token_ids if self.tokenizer else \
             frozenset(generation_eos_token_ids(resolve_model(c.model, config_only=True)))  # token-id prompts only
+        self.eos_token_ids = frozenset(() if own is None else (own,))
+        self.extra_eos_token_ids = tuple(sorted(every - self.eos_token_ids))
         self.requests: dict = {}  # request_id -> Request, until it finishes
         self._ids = itertools.count()
         self.step_seconds = dict.fromkeys(("schedule", "prepare_and_launch", "wait_for_gpu", "process_outputs"), 0.0)
@@ -237,7 +243,9 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     if request_id is None: request_id = next(i for i in map(str, self._ids) if i not in self.requests)  # not one the caller took
     else: request_id = str(request_id)
     if request_id in self.requests: raise ValueError(f"request_id={request_id!r} is already running")
-    params = dataclasses.replace(params)  # the request's own copy: the caller may change or reuse theirs
+    extra_eos = () if params.ignore_eos else tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
+    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra_eos)  # the request's own copy:
+    # the caller may change or reuse theirs
     ids = self._prompt_token_ids(prompt)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(request_id, ids, params, arrival)

@@ -69,6 +69,7 @@ def test_without_a_tokenizer_the_engine_stops_where_transformers_generate_does(t
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
     out = run()
     assert out.token_ids == hf_greedy(hf_model(path), prompt, 20) == free[:free.index(stop) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop  # no tokenizer, so no end-of-sequence token of its own: vLLM reports them all
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))  # no eos: generate runs to its limit
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
@@ -76,6 +77,29 @@ def test_without_a_tokenizer_the_engine_stops_where_transformers_generate_does(t
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id='2'"):
         run()
+
+
+def test_generation_configs_other_end_ids_stop_with_a_stop_reason_as_in_vllm(tmp_path):
+    "The tokenizer's own EOS ends a request with no stop_reason; the other ids generation_config.json lists stop it with theirs."
+    import json, shutil
+    from nanoserve.loader import resolve_model
+    path = save_tiny_model("llama", tmp_path / "m", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(resolve_model(None) / name, path / name)
+    prompt, greedy = [1, 9690, 198, 15, 16, 17], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = LLM(path, num_kv_blocks=32, device="cpu").generate([prompt], greedy, use_tqdm=False)[0].token_ids
+    llm = LLM(path, num_kv_blocks=32, device="cpu")
+    own = llm.get_tokenizer().eos_token_id
+    stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i] and own not in free[:i + 1])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [own, stop]}))
+    llm = LLM(path, num_kv_blocks=32, device="cpu")
+    assert llm.llm_engine.eos_token_ids == {own} and llm.llm_engine.extra_eos_token_ids == (stop,)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == free[:free.index(stop) + 1] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert params.stop_token_ids == ()  # the caller's params stay as they were
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids == free  # ignore_eos ignores them all, as vLLM
+    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=free.index(stop) + 1), use_tqdm=False)[0]
+    assert stop not in late.token_ids[:free.index(stop) + 1]  # min_tokens bans them as it bans EOS
 
 
 def test_tiny_models_batch_equals_transformers(tiny):
