@@ -479,11 +479,8 @@ def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4)
 
 def _with_tile(tile, fn):
     "Run fn with nanoserve.kernels.decode_tile forced to `tile`."
-    saved, kernels.decode_tile = kernels.decode_tile, lambda programs_per_sm, head_dim: tile
-    try:
-        return fn()
-    finally:
-        kernels.decode_tile = saved
+    import paged_attention as pa
+    with pa.forced_decode(tile): return fn()
 
 
 STREAM_K_TILES = {64: [(128, 4, 3), (64, 2, 3)], 128: [(64, 4, 3), (64, 4, 2)]}  # the best of a wider screen

@@ -14,7 +14,6 @@ import torch, triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paged_attention as pa  # also puts the checkout on sys.path when nanoserve is not installed
-import nanoserve.kernels as kernels
 
 BLOCK_SIZES = (16, 32, 64)
 SHAPES = ((8, 512), (8, 4096), (64, 512), (64, 4096), (256, 512))  # (batch, context)
@@ -29,14 +28,9 @@ def variants(shape):
 
 
 def row(model, B, S, block_size, tile, max_splits, copy_gbs) -> dict:
-    library_tile, library_max = kernels.decode_tile, kernels.DECODE_MAX_SPLITS
-    try:
-        if tile: kernels.decode_tile = lambda programs_per_sm, head_dim: tile
-        if max_splits: kernels.DECODE_MAX_SPLITS = max_splits
-        library = tile is None and max_splits is None
+    library = tile is None and max_splits is None
+    with pa.forced_decode(tile, max_splits):
         r = pa.decode_row(model, B, S, block_size, with_sdpa=library and block_size == BLOCK_SIZES[0])
-    finally:
-        kernels.decode_tile, kernels.DECODE_MAX_SPLITS = library_tile, library_max
     frac_copy = r["gbs"] / copy_gbs if "gbs" in r else None
     return {**r, "tile_override": tile, "max_splits": max_splits, "frac_copy": frac_copy}
 

@@ -19,7 +19,7 @@ benchmarks/decode_sweep.py searches tiles on uniform batches like these.
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, datetime, itertools, json, math, os, statistics, subprocess, sys
+import argparse, contextlib, datetime, itertools, json, math, os, statistics, subprocess, sys
 from pathlib import Path
 
 import torch
@@ -78,6 +78,18 @@ def graphed(fn):
 def bench_graphed(fn) -> dict:
     "bench() of `fn` replayed from a CUDA graph (as the engine runs decode), plus the eager median for reference."
     return {**bench(graphed(fn)), "ms_eager": bench(fn)["ms"]}
+
+
+@contextlib.contextmanager
+def forced_decode(tile: tuple | None = None, max_splits: int | None = None):
+    "nanoserve.kernels' decode tile forced to `tile` and its split cap to `max_splits` (None: the library's), then restored."
+    saved = kernels.decode_tile, kernels.DECODE_MAX_SPLITS
+    try:
+        if tile is not None: kernels.decode_tile = lambda programs_per_sm, head_dim: tile
+        if max_splits is not None: kernels.DECODE_MAX_SPLITS = max_splits
+        yield
+    finally:
+        kernels.decode_tile, kernels.DECODE_MAX_SPLITS = saved
 
 
 def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
