@@ -76,10 +76,42 @@ def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServeProcess:
+    """`nanoserve serve` in a child process on a port the OS picks (`--port 0`), so no other test can take the port
+    between a check and the bind. Its output is collected by a thread: `base` waits for the URL it logs, `output`
+    returns everything once the process has ended."""
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--device", "cpu", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines, self._found = [], threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if re.search(r"at http://\S+/v1 ", line): self._found.set()
+        self._found.set()  # the output ended: base() reports it
+
+    def base(self, timeout: float = 120) -> str:
+        "http://host:port once the server listens and answers /health."
+        assert self._found.wait(timeout), "no start"
+        [url] = [m[1] for line in self.lines if (m := re.search(r"at (http://\S+)/v1 ", line))] or ["".join(self.lines)]
+        assert url.startswith("http://"), url  # the process ended without serving: its output
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200: return url
+            except httpx.HTTPError: pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        "Everything the process wrote; kills it first if it still runs."
+        if self.proc.poll() is None: self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=10)
+        return "".join(self.lines)
 
 
 # --- the openai client: results equal LLM.generate's ---------------------------------------------------------------
@@ -931,19 +963,10 @@ def test_no_generated_request_gets_a_5xx(fuzz_url, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
 def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu", engine_process,
-                             "--max-model-len", "2048", "--num-kv-blocks", "160", "--timeout-graceful-shutdown", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServeProcess(engine_process, "--max-model-len", "2048", "--num-kv-blocks", "160", "--timeout-graceful-shutdown", "8")
+    proc = server.proc
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200: break
-            except httpx.HTTPError: pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "no start"
-            time.sleep(0.1)
+        base = server.base()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         short = iter(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
         long = iter(client.completions.create(model=MODEL, prompt="Write a long story.", max_tokens=2000, stream=True,
@@ -958,8 +981,7 @@ def test_sigterm_finishes_or_aborts_running_requests_and_exits_0(engine_process)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError): httpx.get(f"{base}/health")
     finally:
-        if proc.poll() is None: proc.kill()
-        out = proc.stdout.read()
+        out = server.output()
     assert "Traceback" not in out, out
 
 
@@ -976,18 +998,10 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.slow
 def test_a_second_ctrl_c_ends_the_drain_at_once():
     "Ctrl-C drains for --timeout-graceful-shutdown seconds; a second Ctrl-C (uvicorn's force exit) aborts what still runs now."
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--device", "cpu",
-                             "--max-model-len", "2048", "--num-kv-blocks", "160", "--timeout-graceful-shutdown", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServeProcess("--max-model-len", "2048", "--num-kv-blocks", "160", "--timeout-graceful-shutdown", "60")
+    proc = server.proc
     try:
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200: break
-            except httpx.HTTPError: pass
-            assert proc.poll() is None and time.monotonic() < deadline, "no start"
-            time.sleep(0.1)
+        base = server.base()
         body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 2000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
             events = r.iter_lines()
@@ -1000,16 +1014,15 @@ def test_a_second_ctrl_c_ends_the_drain_at_once():
         assert proc.wait(timeout=30) == 0 and time.monotonic() - start < 15  # not the 60 s drain
         assert "shutting down" in json.loads(rest[-2][5:])["error"]["message"] and rest[-1] == "data: [DONE]"
     finally:
-        if proc.poll() is None: proc.kill()
-        out = proc.stdout.read()
+        out = server.output()
     assert "Traceback" not in out, out
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs /proc/PID/task/PID/children")
 def test_sigterm_while_the_model_loads_stops_the_engine_process_too():
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--device", "cpu", "--max-model-len", "256"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServeProcess("--max-model-len", "256")
+    proc = server.proc
     try:
         deadline, engine = time.monotonic() + 60, []
         while not engine:  # the engine process has started (beside multiprocessing's resource tracker): the model is loading
@@ -1020,8 +1033,7 @@ def test_sigterm_while_the_model_loads_stops_the_engine_process_too():
         assert proc.wait(timeout=30) in (143, 0)  # SIGTERM's usual status; 0 if the model had loaded and the server drained
         assert not os.path.exists(f"/proc/{engine[0]}") or "spawn_main" not in _cmdline(engine[0])  # not left loading alone
     finally:
-        if proc.poll() is None: proc.kill()
-        out = proc.stdout.read()
+        out = server.output()
     assert "Traceback" not in out, out
 
 
