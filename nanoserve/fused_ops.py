@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['SILU_BLOCK', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_NUM_WARPS', 'GEMV_NUM_STAGES', 'LOGPROB_BLOCK_V', 'SEARCH_BLOCK_V',
-           'SEARCH_NUM_WARPS', 'rms_norm', 'rope', 'silu_and_mul', 'merge_linears', 'add_rms_norm', 'gemv', 'linear',
-           'logprob_rows', 'token_logprobs_fused', 'search_filter', 'fuse_small_ops', 'unfuse_small_ops']
+           'SEARCH_NUM_WARPS', 'SEARCH_SMS_PER_PROGRAM', 'rms_norm', 'rope', 'silu_and_mul', 'merge_linears',
+           'add_rms_norm', 'gemv', 'linear', 'logprob_rows', 'token_logprobs_fused', 'search_programs', 'search_filter',
+           'fuse_small_ops', 'unfuse_small_ops']
 
 # %% ../chapters/09b_fused_ops.ipynb #efe58ad6
 import types
@@ -16,7 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .attention import Attention, causal_attention
-from .kernels import _follow_early, _pdl, interpreting
+from .kernels import _follow_early, _num_sms, _pdl, interpreting
 from .mlp import MLP
 from .model import Transformer
 from .norm import RMSNorm
@@ -278,6 +279,7 @@ def token_logprobs_fused(logits: torch.Tensor, token_ids: torch.Tensor, n: int) 
 # %% ../chapters/09b_fused_ops.ipynb #nu9b0002
 SEARCH_BLOCK_V = 8192  # vocabulary entries per loop iteration of a row's program
 SEARCH_NUM_WARPS = 16
+SEARCH_SMS_PER_PROGRAM = 2  # with few rows, each row's blocks are shared out among programs while each keeps this many SMs
 
 @triton.jit
 def _order_key(x, KEY_BITS: tl.constexpr):
@@ -301,10 +303,43 @@ def _compared(raw, temperature, KEY_BITS: tl.constexpr):
     return value, key
 
 @triton.jit
-def _search(x_row, V, lo, best, c, temperature, goal, KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, COUNT: tl.constexpr):
+def _row_barrier(counter_ptr, arrivals, P: tl.constexpr):
+    """Wait until each of the row's P programs has arrived here `arrivals` times, as counted on the row's counter: what
+    they stored before is then visible to all. All P must be on the GPU at once, which search_programs sees to."""
+    tl.debug_barrier()  # this program's stores come before its arrival...
+    seen = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
+    while seen < arrivals * P:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    tl.debug_barrier()  # ... and the others' before any of its threads reads them
+
+@triton.jit
+def _row_sums(s0, s1, s2, s3, above, sums_row, counter_ptr, step, part, P: tl.constexpr):
+    """above + the row's four sums, from this program's four (over its blocks). With P programs a row, each stores its
+    own, waits for the others, and adds all P in one order, so that every program finds the same four numbers."""
+    if P > 1:
+        slot = sums_row + step * P * 4  # each step has slots of its own: none is read before it is written
+        tl.store(slot + part * 4, s0)
+        tl.store(slot + part * 4 + 1, s1)
+        tl.store(slot + part * 4 + 2, s2)
+        tl.store(slot + part * 4 + 3, s3)
+        _row_barrier(counter_ptr, step + 1, P)
+        r0, r1, r2, r3 = above, above, above, above
+        for p in range(0, P):
+            r0 += tl.load(slot + p * 4, volatile=True)  # volatile: read from L2, where the other programs' stores are
+            r1 += tl.load(slot + p * 4 + 1, volatile=True)
+            r2 += tl.load(slot + p * 4 + 2, volatile=True)
+            r3 += tl.load(slot + p * 4 + 3, volatile=True)
+    else:
+        r0, r1, r2, r3 = above + s0, above + s1, above + s2, above + s3
+    return r0, r1, r2, r3
+
+@triton.jit
+def _search(x_row, V, lo, best, c, temperature, goal, part, sums_row, counter_ptr, step,
+            KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, COUNT: tl.constexpr, P: tl.constexpr):
     """The key of the smallest compared value v with S(x > v) < goal, among the keys from lo up, two bits of it a pass.
     S counts tokens (COUNT, and the goal is k) or weighs them by e^((x - best) / T) = 2^((v - best) c) (the goal is then
-    a share of the weight of every token from lo up, which the first pass finds)."""
+    a share of the weight of every token from lo up, which the first pass finds). Program `part` of the row's P weighs
+    blocks part, part + P, ...; returns the key, and the step count (one step a pass)."""
     span = KEY_BITS  # the keys in question are [lo, lo + 2^span)
     above = 0.0  # S of the tokens whose keys are past the range
     while span > 0:
@@ -313,10 +348,11 @@ def _search(x_row, V, lo, best, c, temperature, goal, KEY_BITS: tl.constexpr, BL
         q1 = tl.full([], 1, tl.uint32) << q.to(tl.uint32)  # where the second quarter starts, from lo
         a0 = tl.zeros([BLOCK_V], tl.float32)  # per lane: S of the range, and from its 2nd, 3rd and 4th quarters up
         a1, a2, a3 = tl.zeros_like(a0), tl.zeros_like(a0), tl.zeros_like(a0)
-        ahead = tl.load(x_row + tl.arange(0, BLOCK_V), mask=tl.arange(0, BLOCK_V) < V, other=float("-inf"))
-        for v0 in range(0, V, BLOCK_V):
+        first = part * BLOCK_V if P > 1 else 0
+        ahead = tl.load(x_row + first + tl.arange(0, BLOCK_V), mask=first + tl.arange(0, BLOCK_V) < V, other=float("-inf"))
+        for v0 in range(first, V, P * BLOCK_V):
             raw, idx = ahead, v0 + tl.arange(0, BLOCK_V)
-            ahead = tl.load(x_row + BLOCK_V + idx, mask=BLOCK_V + idx < V, other=float("-inf"))  # the next logits load while these are weighed
+            ahead = tl.load(x_row + P * BLOCK_V + idx, mask=P * BLOCK_V + idx < V, other=float("-inf"))  # the next logits load while these are weighed
             value, key = _compared(raw, temperature, KEY_BITS)
             d = (key - lo).to(tl.uint32, bitcast=True)  # the key's place in the range: past 2^31 it wraps, as unsigned it is exact
             inside = (key >= lo) & (d <= last)
@@ -326,7 +362,8 @@ def _search(x_row, V, lo, best, c, temperature, goal, KEY_BITS: tl.constexpr, BL
             a1 += tl.where(d >= q1, w, 0.0)
             a2 += tl.where(d >= 2 * q1, w, 0.0)
             a3 += tl.where(d >= 3 * q1, w, 0.0)
-        r0, r1, r2, r3 = above + tl.sum(a0, 0), above + tl.sum(a1, 0), above + tl.sum(a2, 0), above + tl.sum(a3, 0)
+        r0, r1, r2, r3 = _row_sums(tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0), above, sums_row, counter_ptr, step, part, P)
+        step += 1
         if not COUNT: goal = tl.where(span == KEY_BITS, goal * r0, goal)  # the first pass weighs every token from lo up
         pick = tl.where((r1 >= goal) & (r1 > above), 1, 0)  # the highest quarter, holding tokens, whose S from it up reaches the goal
         pick = tl.where((r2 >= goal) & (r2 > above), 2, pick)
@@ -334,36 +371,58 @@ def _search(x_row, V, lo, best, c, temperature, goal, KEY_BITS: tl.constexpr, BL
         above = tl.where(pick == 0, r1, tl.where(pick == 1, r2, tl.where(pick == 2, r3, above)))
         lo += pick << q
         span = q
-    return lo
+    return lo, step
 
 @triton.jit
-def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, stride_x, stride_o,
-                          KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE: tl.constexpr):
-    row, offs = tl.program_id(0), tl.arange(0, BLOCK_V)
+def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, sums_ptr, counter_ptr,
+                          V, stride_x, stride_o, stride_s,
+                          KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE: tl.constexpr, P: tl.constexpr):
+    row, part, offs = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK_V)  # program `part` of the row's P
     x_row, out_row = x_ptr + row.to(tl.int64) * stride_x, out_ptr + row.to(tl.int64) * stride_o
+    sums_row, counter_ptr = sums_ptr + row.to(tl.int64) * stride_s, counter_ptr + row
     temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
     c = 1.4426950408889634 / temperature if KEY_BITS == 16 else 1.4426950408889634  # float32 values are x / T already
+    first = part * BLOCK_V if P > 1 else 0
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # pass 1: the largest compared value, and the smallest key
     low = tl.full([BLOCK_V], 2147483647, tl.int32)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(first, V, P * BLOCK_V):
         idx = v0 + offs
         value, key = _compared(tl.load(x_row + idx, mask=idx < V, other=float("-inf")), temperature, KEY_BITS)
         m = tl.maximum(m, value)
         low = tl.minimum(low, tl.where(idx < V, key, 2147483647))
-    best = tl.max(m, 0)
+    best, lo = tl.max(m, 0), tl.min(low, 0)  # every token's key is lo or above; the filters raise it
+    if P > 1:  # the row's, from every program's (exact in any order)
+        tl.store(sums_row + part * 2, best)
+        tl.store(sums_row + part * 2 + 1, lo.to(tl.float32, bitcast=True))
+        _row_barrier(counter_ptr, 1, P)
+        for p in range(0, P):
+            best = tl.maximum(best, tl.load(sums_row + p * 2, volatile=True))
+            lo = tl.minimum(lo, tl.load(sums_row + p * 2 + 1, volatile=True).to(tl.int32, bitcast=True))
     best = tl.where(best > float("-inf"), best, 0.0)  # a row of -inf stays NaN-free
-    lo = tl.min(low, 0)  # every token's key is lo or above; the filters raise it
-    if top_k < V: lo = _search(x_row, V, lo, best, c, temperature, top_k.to(tl.float32), KEY_BITS, BLOCK_V, True)  # the k-th largest
-    if top_p < 1.0: lo = _search(x_row, V, lo, best, c, temperature, top_p, KEY_BITS, BLOCK_V, False)  # top-p among the top k
+    step = 1
+    if top_k < V:  # the k-th largest
+        lo, step = _search(x_row, V, lo, best, c, temperature, top_k.to(tl.float32), part, sums_row, counter_ptr, step,
+                           KEY_BITS, BLOCK_V, True, P)
+    if top_p < 1.0:  # top-p among the top k
+        lo, step = _search(x_row, V, lo, best, c, temperature, top_p, part, sums_row, counter_ptr, step,
+                           KEY_BITS, BLOCK_V, False, P)
     min_p = tl.load(min_p_ptr + row)
     best_scaled = tl.math.div_rn(best, temperature) if KEY_BITS == 16 else best
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(first, V, P * BLOCK_V):
         idx = v0 + offs
         value, key = _compared(tl.load(x_row + idx, mask=idx < V, other=float("-inf")), temperature, KEY_BITS)
         scaled = tl.math.div_rn(value, temperature) if KEY_BITS == 16 else value  # rounded as PyTorch's x / T
         weight = libdevice.exp(scaled - best_scaled) if LIBDEVICE else tl.exp(scaled - best_scaled)  # PyTorch's expf on a GPU
         keep = (key >= lo) & (weight >= min_p)
         tl.store(out_row + idx, tl.where(keep, scaled, float("-inf")), mask=idx < V)
+
+def search_programs(num_rows: int, V: int, device: torch.device) -> int:
+    """Programs per row of search_filter: one; on a GPU, with few rows, up to one per block of SEARCH_BLOCK_V tokens
+    while each program keeps SEARCH_SMS_PER_PROGRAM SMs to itself. A row's programs wait for each other, so all must
+    be on the GPU at once: one program per SM or fewer guarantees it."""
+    if interpreting() or device.type != "cuda" or num_rows == 0: return 1  # the interpreter runs programs one by one
+    blocks = triton.cdiv(V, min(SEARCH_BLOCK_V, triton.next_power_of_2(V)))
+    return max(1, min(blocks, _num_sms(device) // (SEARCH_SMS_PER_PROGRAM * num_rows)))
 
 def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
                   temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # (B,) each
@@ -378,10 +437,14 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
         if t.shape != (B,): raise ValueError(f"{name} must hold one value per row, ({B},); got {tuple(t.shape)}")
     _check_device(logits, *rows)
     if logits.stride(-1) != 1: logits = logits.contiguous()
-    out = torch.empty(B, V, dtype=torch.float32, device=logits.device)
-    if B: _search_filter_kernel[(B,)](logits, out, *rows, V, logits.stride(0), out.stride(0), KEY_BITS=8 * logits.element_size(),
-                                      BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)), LIBDEVICE=not interpreting(),
-                                      num_warps=SEARCH_NUM_WARPS)
+    out, key_bits, P = torch.empty(B, V, dtype=torch.float32, device=logits.device), 8 * logits.element_size(), search_programs(B, V, logits.device)
+    sums, counters = out, out  # not used by one program a row
+    if P > 1:  # slots for each program's sums in each pass (1 + KEY_BITS passes at most), and a count of arrivals per row
+        sums = torch.empty(B, 1 + key_bits, P, 4, dtype=torch.float32, device=logits.device)
+        counters = torch.zeros(B, dtype=torch.int32, device=logits.device)
+    if B: _search_filter_kernel[(B, P)](logits, out, *rows, sums, counters, V, logits.stride(0), out.stride(0), sums.stride(0),
+                                       KEY_BITS=key_bits, BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)),
+                                       LIBDEVICE=not interpreting(), P=P, num_warps=SEARCH_NUM_WARPS)
     return out
 
 # %% ../chapters/09b_fused_ops.ipynb #56cfc07a

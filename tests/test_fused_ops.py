@@ -238,6 +238,28 @@ def test_gpu_search_filter_over_a_llama_3_vocabulary():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sms_per_program", [1, 2, 10**9])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_gpu_search_filter_with_rows_shared_out_among_programs(monkeypatch, B, sms_per_program):
+    "Few rows: each row's blocks are shared among up to 16 programs that wait for each other; the same kept sets as one."
+    monkeypatch.setattr(fused_ops, "SEARCH_SMS_PER_PROGRAM", sms_per_program)
+    programs = fused_ops.search_programs(B, 128256, torch.device("cuda"))
+    assert programs == (1 if sms_per_program == 10**9 else min(16, torch.cuda.get_device_properties(0).multi_processor_count // (sms_per_program * B)))
+    logits, temperature, top_k, top_p, min_p = filter_rows(B, 128256, 10 + B, torch.bfloat16)
+    logits = logits + torch.randn(logits.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(B)).to(torch.bfloat16)
+    for x in (logits, logits.float()):
+        assert torch.equal(search_filter(x, temperature, top_k, top_p, min_p), filter_logits(x.float() / temperature[:, None], top_k, top_p, min_p))
+        for each in ((top_k, torch.ones_like(top_p)), (torch.full_like(top_k, 128256), top_p)):  # one search, then the other
+            assert torch.equal(search_filter(x, temperature, *each, 0 * min_p), filter_logits(x.float() / temperature[:, None], *each, 0 * min_p))
+
+
+def test_search_filter_runs_one_program_a_row_off_the_gpu():
+    "The interpreter runs a grid's programs one after another, so programs that wait for each other would wait forever."
+    assert fused_ops.search_programs(1, 128256, torch.device("cpu")) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_engine_samples_with_the_search_filter_as_with_the_sort(monkeypatch):
     from nanoserve import LLM
     from nanoserve.model_runner import ModelRunner
