@@ -375,12 +375,13 @@ def _search(x_row, V, lo, best, c, temperature, goal, part, sums_row, counter_pt
 
 @triton.jit
 def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, sums_ptr, counter_ptr,
-                          V, stride_x, stride_o, stride_s,
+                          V, stride_x, stride_o, stride_s, stride_t, stride_k, stride_p, stride_m,
                           KEY_BITS: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE: tl.constexpr, P: tl.constexpr):
     row, part, offs = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK_V)  # program `part` of the row's P
     x_row, out_row = x_ptr + row.to(tl.int64) * stride_x, out_ptr + row.to(tl.int64) * stride_o
     sums_row, counter_ptr = sums_ptr + row.to(tl.int64) * stride_s, counter_ptr + row
-    temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    temperature, top_k = tl.load(temperature_ptr + row * stride_t), tl.load(top_k_ptr + row * stride_k)
+    top_p = tl.load(top_p_ptr + row * stride_p)
     c = 1.4426950408889634 / temperature if KEY_BITS == 16 else 1.4426950408889634  # float32 values are x / T already
     first = part * BLOCK_V if P > 1 else 0
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # pass 1: the largest compared value, and the smallest key
@@ -406,7 +407,7 @@ def _search_filter_kernel(x_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
     if top_p < 1.0:  # top-p among the top k
         lo, step = _search(x_row, V, lo, best, c, temperature, top_p, part, sums_row, counter_ptr, step,
                            KEY_BITS, BLOCK_V, False, P)
-    min_p = tl.load(min_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row * stride_m)
     best_scaled = tl.math.div_rn(best, temperature) if KEY_BITS == 16 else best
     for v0 in range(first, V, P * BLOCK_V):
         idx = v0 + offs
@@ -431,7 +432,7 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits must be a (B, V) float32, float16 or bfloat16 tensor; got {tuple(logits.shape)} {logits.dtype}")
     B, V = logits.shape
-    rows = [torch.as_tensor(t, device=logits.device).to(dtype).contiguous()  # SamplingTensors' own dtypes: no conversion
+    rows = [torch.as_tensor(t, device=logits.device).to(dtype)  # SamplingTensors' own dtypes, and views: no copy
             for t, dtype in ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32))]
     for name, t in zip(("temperature", "top_k", "top_p", "min_p"), rows):
         if t.shape != (B,): raise ValueError(f"{name} must hold one value per row, ({B},); got {tuple(t.shape)}")
@@ -443,6 +444,7 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
         sums = torch.empty(B, 1 + key_bits, P, 4, dtype=torch.float32, device=logits.device)
         counters = torch.zeros(B, dtype=torch.int32, device=logits.device)
     if B: _search_filter_kernel[(B, P)](logits, out, *rows, sums, counters, V, logits.stride(0), out.stride(0), sums.stride(0),
+                                       *(t.stride(0) for t in rows),
                                        KEY_BITS=key_bits, BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)),
                                        LIBDEVICE=not interpreting(), P=P, num_warps=SEARCH_NUM_WARPS)
     return out

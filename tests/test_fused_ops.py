@@ -147,6 +147,15 @@ def test_search_filter_keeps_what_filter_logits_keeps(dtype, B, V, seed):
         assert torch.equal(search_filter(logits, temperature, *each), filter_logits(logits.float() / temperature[:, None], *each)), i
 
 
+def test_search_filter_reads_strided_rows_of_parameters():
+    "SamplingTensors' columns are views with a stride: read in place, with no copy, as the contiguous ones are."
+    logits, temperature, top_k, top_p, min_p = filter_rows(5, 3000, 11, torch.float32)
+    table = torch.stack([temperature, top_k.float(), top_p, min_p], dim=1)  # (B, 4): each column a strided view
+    strided = (table[:, 0], table[:, 1].long(), table[:, 2], table[:, 3])
+    assert table[:, 0].stride(0) == 4
+    assert torch.equal(search_filter(logits, *strided), search_filter(logits, temperature, top_k, top_p, min_p))
+
+
 def thresholds_within_rounding(row: torch.Tensor, k: int, p: float, slack: float = 1e-6) -> set:
     """The top-k and top-p thresholds a float32 filter may find for `row`: the float64 one by the definition, and its
     neighbour among the row's values where the decision lies within `slack` of the mass (float32 sums in any order)."""
