@@ -105,8 +105,8 @@ def add_generate_parser(sub):
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--show-stats", action="store_true", help="print TTFT, TPOT and tokens/s to stderr")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: float32 on cpu, the checkpoint's dtype on cuda")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="auto (the default): float32 on cpu, the checkpoint's dtype on cuda")
     add_generation_config_args(p)
     p.set_defaults(func=run_generate)
 
@@ -116,7 +116,8 @@ def add_engine_args(p):
     p.add_argument("--model", default=None, help=f"local directory, hub id, or omit for {DEFAULT_MODEL}")
     p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                    help="'dummy': random weights from the model's config.json (benchmarks of real shapes)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="auto (the default): float32 on cpu, the checkpoint's dtype on cuda")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: what --gpu-memory-utilization leaves on a GPU, 1 GiB of cache on a CPU")

@@ -22,7 +22,7 @@ from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplingParams, check_stop, choice_seed, generation_defaults, generation_overrides, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_token_ids, load_tokenizer, read_json
+from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
 @dataclass
@@ -243,10 +243,11 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     if request_id is None: request_id = next(i for i in map(str, self._ids) if i not in self.requests)  # not one the caller took
     else: request_id = str(request_id)
     if request_id in self.requests: raise ValueError(f"request_id={request_id!r} is already running")
-    extra_eos = () if params.ignore_eos else tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
-    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra_eos)  # the request's own copy:
-    # the caller may change or reuse theirs
     ids = self._prompt_token_ids(prompt)
+    extra_eos = () if params.ignore_eos else tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
+    max_tokens = min(params.max_tokens, max(1, self.runner.max_model_len - len(ids)))  # vLLM's cap: it ends at max_model_len
+    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra_eos, max_tokens=max_tokens,  # the request's
+                                 min_tokens=min(params.min_tokens, max_tokens))  # own copy: the caller may change or reuse theirs
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(request_id, ids, params, arrival)
     detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids) if self.tokenizer else None
@@ -349,9 +350,15 @@ def _record_prompt_logprobs(self: LLMEngine, launched: LaunchedStep):
 LLMEngine._process, LLMEngine._record_prompt_logprobs = _process, _record_prompt_logprobs
 
 # %% ../chapters/11b_engine.ipynb #bf1578ed
-def _abort(self: LLMEngine, request_id) -> RequestOutput | None:
-    "Stop a request in any state and free its KV blocks at once; its final output, or None if it is unknown."
-    req = self.requests.pop(str(request_id), None)
+def _abort(self: LLMEngine, request_id):
+    """Stop a request in any state and free its KV blocks at once; its final output, or None if it is unknown. Given an
+    iterable of ids (vLLM's abort_request takes either), abort each; the final outputs of those it knew."""
+    if not isinstance(request_id, str):
+        ids = list(request_id) if isinstance(request_id, collections.abc.Iterable) else None
+        if ids is None or not all(isinstance(i, str) for i in ids):
+            raise ValueError(f"request_id={request_id!r:.80}: expected a request id (a str) or an iterable of them")
+        return [out for out in map(self.abort, ids) if out is not None]
+    req = self.requests.pop(request_id, None)
     if req is None: return None
     self.scheduler.abort(req.seq.seq_id)
     req.metrics.finished_time = time.monotonic()
@@ -418,20 +425,11 @@ class LLM:
         "SamplingParams with the model's recommended defaults (the engine option generation_config), what generate uses without any."
         return SamplingParams(**self.llm_engine.sampling_defaults)
 
-    def _default_params(self, prompts: list) -> list:
-        "The default SamplingParams per prompt: the model's max_new_tokens cut to what the context leaves it, as the server cuts it."
-        params, engine = self.get_default_sampling_params(), self.llm_engine
-        if "max_tokens" not in engine.sampling_defaults: return [params] * len(prompts)
-        def fitted(prompt) -> SamplingParams:
-            try: room = engine.runner.max_model_len - len(engine._prompt_token_ids(prompt))
-            except ValueError: return params  # add_request names what is wrong with the prompt
-            return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-        return [fitted(prompt) for prompt in prompts]
-
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         "Generate for every prompt; returns RequestOutputs in the order of the prompts."
         prompts = _as_prompt_list(prompts)
-        params = self._default_params(prompts) if sampling_params is None else _as_params_list(sampling_params, len(prompts))
+        if sampling_params is None: sampling_params = self.get_default_sampling_params()  # add_request cuts max_tokens to fit
+        params = _as_params_list(sampling_params, len(prompts))
         engine, ids = self.llm_engine, []
         if engine.requests:  # generate steps the engine until its own requests end; it would drop the others' outputs
             others = ", ".join(map(repr, itertools.islice(engine.requests, 3))) + (", ..." if len(engine.requests) > 3 else "")
@@ -504,12 +502,17 @@ def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, c
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r:.80}: expected a conversation (a non-empty list of messages) or a list of them")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    options = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template, **(chat_template_kwargs or {})}  # vLLM's merge
     texts = []
     for i, conversation in enumerate(conversations):
-        try: texts.append(tok.apply_chat_template(conversation, add_generation_prompt, chat_template=chat_template,
-                                                  **(chat_template_kwargs or {})))
+        try: texts.append(tok.apply_chat_template(_text_messages(conversation), **options))
         except ValueError as e: raise ValueError(f"conversation {i}: {e}") from None
     prompts = [tok.encode(text, add_special_tokens=False) for text in texts]
     return [dataclasses.replace(out, prompt=text) for out, text in zip(self.generate(prompts, sampling_params, use_tqdm), texts)]
+
+def _text_messages(conversation) -> list:
+    "A conversation with each message's content parts flattened to one string (chapter 6a's content_text), as the server does."
+    if not isinstance(conversation, (list, tuple)): return conversation  # apply_chat_template says what it expected
+    return [{**m, "content": content_text(m["content"])} if isinstance(m, dict) and "content" in m else m for m in conversation]
 
 LLM.chat = _chat

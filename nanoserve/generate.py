@@ -113,6 +113,10 @@ def prompt_token_ids(ids, vocab_size: int) -> list:
 def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: SamplingParams, on_text=None) -> Completion:
     "Generate one completion of `prompt_ids` with a KV cache; `on_text(piece)` receives the text as it is produced."
     if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got a {type(params).__name__}")
+    asked = [name for name, on in [("n", params.n > 1), ("logprobs", params.logprobs is not None),
+                                   ("prompt_logprobs", params.prompt_logprobs is not None)] if on]  # refused, not ignored
+    if asked: raise ValueError(f"{asked[0]}={getattr(params, asked[0])}: generate makes one completion, without log "
+                               "probabilities; LLM.generate (chapter 11b) has them")
     prompt_ids = prompt_token_ids(prompt_ids, model.config.vocab_size)
     max_len = len(prompt_ids) + params.max_tokens
     if max_len > model.config.max_position_embeddings:

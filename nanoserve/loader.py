@@ -267,14 +267,14 @@ def pick_device(device=None) -> torch.device:
     return d
 
 def pick_dtype(dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    "`dtype` (a torch.dtype or its name) if given, else float32 on CPU and the checkpoint's dtype on GPU."
-    if dtype is None: dtype = "float32" if device.type == "cpu" else cfg.torch_dtype
+    "`dtype` (a torch.dtype or its name) if given, else (None or vLLM's \"auto\") float32 on CPU and the checkpoint's dtype on GPU."
+    if dtype is None or dtype == "auto": dtype = "float32" if device.type == "cpu" else cfg.torch_dtype
     given = dtype
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
         dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(name, name), None)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype={given!r}: expected float32, float16 or bfloat16")
+        raise ValueError(f"dtype={given!r}: expected 'auto', float32, float16 or bfloat16")
     return dtype
 
 # %% ../chapters/05b_loader.ipynb #6ec0c31c

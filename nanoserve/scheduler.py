@@ -60,7 +60,7 @@ class SchedulerConfig:
     "The budgets of one step, and the longest sequence the engine accepts."
     max_num_seqs: int = 256              # sequences per step
     max_num_batched_tokens: int = 8192   # tokens per step (prefill: whole prompts, or chunks of them; decode: one per sequence)
-    max_model_len: int = 2048            # prompt + generated tokens of one sequence
+    max_model_len: int = 2048            # prompt + generated tokens of one sequence (a prompt this long may sample one)
     enable_chunked_prefill: bool = False # decode tokens first in every step, then prompts, split where the budget ends
 
     def __post_init__(self):
@@ -131,15 +131,16 @@ class Scheduler:
 
 # %% ../chapters/10_scheduler.ipynb #c1eed990
 def _check_fits(self: Scheduler, seq: Sequence):
-    "Raise ValueError if `seq` could never run to its end: too long for the engine or for the whole KV pool."
-    n, limit = seq.max_num_tokens, self.config.max_model_len
-    if n > limit:
-        raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {n} "
-                         f"exceeds max_model_len={limit}")
-    need, pool = blocks_needed(n, self.blocks.block_size), self.blocks.num_blocks
+    """Raise ValueError if `seq` could never run to its end: too long for the engine or for the whole KV pool. The last
+    token sampled is never fed back, so the cache holds one token less, and a prompt of max_model_len may take one (vLLM's rule)."""
+    n, limit, prompt = seq.max_num_tokens, self.config.max_model_len, seq.num_prompt_tokens
+    if prompt > limit: raise ValueError(f"prompt ({prompt} tokens) is longer than max_model_len={limit}")
+    if n > max(limit, prompt + 1):
+        raise ValueError(f"prompt ({prompt} tokens) + max_tokens ({seq.params.max_tokens}) = {n} exceeds max_model_len={limit}")
+    need, pool = blocks_needed(n - 1, self.blocks.block_size), self.blocks.num_blocks
     if need > pool:
-        raise ValueError(f"prompt + max_tokens = {n} tokens need {need} KV blocks of {self.blocks.block_size}, "
-                         f"but the whole cache has {pool}; lower max_tokens or give the cache more memory")
+        raise ValueError(f"prompt + max_tokens = {n} tokens, {n - 1} of them in the cache, need {need} KV blocks of "
+                         f"{self.blocks.block_size}, but the whole cache has {pool}; lower max_tokens or give the cache more memory")
 
 def _add(self: Scheduler, seq: Sequence):
     "Queue a new sequence, after checking that it could run to its end."

@@ -27,7 +27,7 @@ from .loader import DEFAULT_MODEL, resolve_model
 from .tokenizer import load_chat_template
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
-                                ErrorResponse, InvalidRequest, ModelCard, ModelList, chat_delta, chat_response, chunk,
+                                ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
                                 completion_delta, completion_response, joined, new_id, sampling_params, token_budget, usage)
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,12 @@ async def tagged(outputs: list):
         for o in outputs: await o.aclose()
 
 async def completion_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, n: int = 1,
-                            echo: Echo | None = None):
-    "The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order); `echo`: prompts first."
+                            echo: Echo | None = None, continuous_usage: bool = False):
+    """The events of a streamed completion, from an async iterator of outputs per choice (`n` per prompt, in order); `echo`:
+    prompts first; `continuous_usage`: every chunk with its choice's token counts so far."""
     created, k = int(time.time()), len(outputs)
     sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
+    offsets = [TextOffsets(tokenizer, 0 if echo is None else len(echo.prompt_texts[i])) for i in range(k)]  # the bytes' text so far
     async with contextlib.aclosing(tagged(outputs)) as choices:
         try:
             async for i, out in choices:
@@ -217,10 +219,10 @@ async def completion_events(outputs: list, rid: str, model: str, tokenizer, incl
                 prompt_text, prompt_logprobs = ("", None) if echo is None else echo.prompt(i, out, tokenizer)
                 text, end = out.text[sent_text[i]:], len(out.token_ids)
                 if end > sent_tokens[i] or out.finished:
-                    delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, len(prompt_text) + sent_text[i], i)
+                    delta = completion_delta(out, tokenizer, text, sent_tokens[i], end, len(prompt_text) + sent_text[i], i, offsets[i])
                     if echo is not None and last[i] is None:  # a choice's first chunk brings its prompt
                         delta["text"], delta["logprobs"] = prompt_text + delta["text"], joined(prompt_logprobs, delta["logprobs"])
-                    yield sse(chunk(rid, model, created, False, [delta]))
+                    yield sse(chunk(rid, model, created, False, [delta], usage([out]) if continuous_usage else None))
                 sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
@@ -228,18 +230,24 @@ async def completion_events(outputs: list, rid: str, model: str, tokenizer, incl
     if include_usage and all(o is not None for o in last): yield sse(chunk(rid, model, created, False, [], usage(last, n)))
     yield sse("[DONE]")
 
-async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool):
-    "The events of a streamed chat completion: per choice the role, content deltas and the finish reason; [usage], [DONE]."
+async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, continuous_usage: bool = False,
+                      num_prompt_tokens: int = 0):
+    """The events of a streamed chat completion: per choice the role, content deltas and the finish reason; [usage], [DONE].
+    `continuous_usage`: every chunk with its choice's token counts so far (the role's: the prompt's `num_prompt_tokens`)."""
     created, k = int(time.time()), len(outputs)
     sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
+    so_far = usage if continuous_usage else lambda outs: None
+    opened = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens} if continuous_usage else None
     async with contextlib.aclosing(tagged(outputs)) as choices:
-        for i in range(k): yield sse(chunk(rid, model, created, True, [chat_delta(None, tokenizer, {"role": "assistant", "content": ""}, index=i)]))
+        for i in range(k):
+            yield sse(chunk(rid, model, created, True, [chat_delta(None, tokenizer, {"role": "assistant", "content": ""}, index=i)], opened))
         try:
             async for i, out in choices:
                 text, end = out.text[sent_text[i]:], len(out.token_ids)
                 if end > sent_tokens[i]:
-                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens[i], end, i)]))
-                if out.finished: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i)]))
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens[i], end, i)],
+                                    so_far([out])))
+                if out.finished: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i)], so_far([out])))
                 sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
@@ -338,7 +346,8 @@ class OpenAIServer:
         for text in texts:
             self.check_text(text, "prompt")
             self.check_chars(len(text), "prompt")
-        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
+        special = req.add_special_tokens
+        encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t, add_special_tokens=special) for t in texts]) if texts else ())
         return [next(encoded) if isinstance(p, str) else list(p) for p in req.prompts]
 
     def check_echo(self, req: CompletionRequest, prompts: list):
@@ -361,16 +370,18 @@ class OpenAIServer:
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
         "The token ids of a chat completion's conversation."
-        return await self.chat_ids(req.messages)
+        return await self.chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens,
+                                   template_kwargs=req.chat_template_kwargs)
 
     async def chat_ids(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                       check_length: bool = True) -> list:
-        "The token ids of a conversation (ChatMessages), rendered with the model's chat template (off the event loop)."
+                       check_length: bool = True, template_kwargs: dict | None = None) -> list:
+        """The token ids of a conversation (ChatMessages), rendered with the model's chat template (off the event loop),
+        given `template_kwargs` as more variables."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequest("This model has no chat template: send a plain prompt instead of messages.", "messages")
         messages = [m.as_dict() for m in messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
-        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt)  # the prompt's text
+        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt, **(template_kwargs or {}))
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
         if check_length: self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
@@ -379,7 +390,8 @@ class OpenAIServer:
         """The token ids of a /tokenize request: its prompt, or its conversation rendered with the chat template. Text of
         any length the body limit lets in: counting a long document's tokens is what a client may want (vLLM's too)."""
         if req.messages is not None:
-            return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens), check_length=False)
+            return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens), check_length=False,
+                                       template_kwargs=req.chat_template_kwargs)
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.", "prompt")
         self.check_text(req.prompt, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -420,7 +432,9 @@ class OpenAIServer:
             raise InvalidRequest(f"This request asks for {choices} choices ({len(prompts)} prompts x n={req.n}), but this "
                                  f"server queues at most {limit} requests.", "n" if req.n > 1 else prompt_param)
         engine.check_room(choices)  # a 503 before any of them is sent, rather than some sent, then aborted
-        params = [(ids, sampling_params(req, budget, j, self.sampling_defaults)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
+        try: params = [(ids, sampling_params(req, budget, j, self.sampling_defaults)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
+        except ValueError as e:  # SamplingParams' checks of one field against another (min_tokens against the budget)
+            raise InvalidRequest(str(e), str(e).partition("=")[0]) from None  # its messages start with the field's name
         adds = [asyncio.ensure_future(engine.add_request(ids, p)) for ids, p in params]
         try: await asyncio.wait(adds)
         finally:  # refused, or cancelled meanwhile: abort what the engine took
@@ -441,7 +455,10 @@ class OpenAIServer:
             if not stream.finished: self.engine.abort(stream.request_id)
 
 # %% ../chapters/12c_server.ipynb #29673956
-def _include_usage(req) -> bool: return req.stream_options is not None and req.stream_options.include_usage
+def _usage_options(req) -> tuple:
+    "(a last chunk with the usage, the usage in every chunk): what a stream's stream_options ask for, as vLLM reads them."
+    options = req.stream_options
+    return (False, False) if options is None else (options.include_usage, options.include_usage and options.continuous_usage_stats)
 
 def add_routes(app: FastAPI, server: OpenAIServer):
     "The OpenAI routes, /health, /version and /metrics."
@@ -491,7 +508,9 @@ def add_routes(app: FastAPI, server: OpenAIServer):
             echo = Echo([text for text in texts for _ in range(req.n)], req.max_tokens != 0)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
-            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req), req.n, echo), abort)
+            include_usage, continuous_usage = _usage_options(req)
+            return EventStream(completion_events(outputs, rid, server.model_name, server.tokenizer, include_usage, req.n, echo,
+                                                 continuous_usage), abort)
         outs = await final_outputs(outputs, request, abort)
         return Response(status_code=499) if outs is None else completion_response(rid, server.model_name, outs, server.tokenizer, req.n, echo)
 
@@ -519,11 +538,12 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "Answer a conversation, rendered with the model's chat template; with `stream: true`, as server-sent events."
         server.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        streams = await server.start([await server.chat_prompt(req)], req, req.max_completion_tokens or req.max_tokens, param, "messages")
+        prompt = await server.chat_prompt(req)
+        streams = await server.start([prompt], req, req.max_completion_tokens or req.max_tokens, param, "messages")
         rid, abort = new_id("chatcmpl"), functools.partial(server.abort_unless_finished, streams)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
-            return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, _include_usage(req)), abort)
+            return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, *_usage_options(req), len(prompt)), abort)
         outs = await final_outputs(outputs, request, abort)
         return Response(status_code=499) if outs is None else chat_response(rid, server.model_name, outs, server.tokenizer)
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SPECIAL_TOKEN_NAMES', 'BYTE_LEVEL', 'CONTEXT_TOKENS', 'token_content', 'special_tokens', 'extra_special_tokens',
            'bos_eos_processor', 'raise_exception', 'tojson', 'strftime_now', 'compile_chat_template', 'check_messages',
-           'render_chat_template', 'token_ids', 'read_json', 'generation_eos_token_ids', 'Tokenizer',
+           'render_chat_template', 'content_text', 'token_ids', 'read_json', 'generation_eos_token_ids', 'Tokenizer',
            'read_chat_template', 'load_chat_template', 'load_tokenizer', 'IncrementalDetokenizer']
 
 # %% ../chapters/06a_tokenizer.ipynb #1f1edc3a
@@ -91,6 +91,17 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool = 
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
         # raise_exception, a syntax error, a sandbox violation, content of a type the template does not handle: a bad request
         raise ValueError(f"the chat template could not render these messages: {type(e).__name__}: {e}") from e
+
+# %% ../chapters/06a_tokenizer.ipynb #ct06a002
+def content_text(content) -> str | None:
+    "A message's content as one string: a string or None as it is, OpenAI's text parts joined with newlines (vLLM's way)."
+    if content is None or isinstance(content, str): return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"content={reprlib.repr(content)}: expected a string or a list of content parts")
+    bad = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content
+           if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
+    if bad: raise ValueError(f"content parts of type {', '.join(map(repr, bad))}: only {{'type': 'text', 'text': str}} parts are supported")
+    return "\n".join(p["text"] for p in content)
 
 # %% ../chapters/06a_tokenizer.ipynb #a4a9db91
 def _byte_level_alphabet() -> dict:

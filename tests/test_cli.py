@@ -136,6 +136,12 @@ def test_every_engine_option_has_a_flag():
     assert EngineConfig(**options).quantization == "int8"
 
 
+def test_dtype_auto_is_accepted_as_in_vllm():
+    from nanoserve.__main__ import build_parser, engine_options
+    assert engine_options(build_parser().parse_args(["serve", "--dtype", "auto"]))["dtype"] == "auto"
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--dtype", "auto"]).dtype == "auto"
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_generate_quietly():
     import signal, time

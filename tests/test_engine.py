@@ -393,10 +393,45 @@ def test_chat_renders_each_conversation_with_the_template_as_vllm(default_llm):
                          ([conversations[0], [{"role": "user"}]], "conversation 1: messages\\[0\\]=")]:
         with pytest.raises(ValueError, match=message):
             default_llm.chat(bad, greedy, use_tqdm=False)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]  # vLLM joins text parts with newlines
+    assert default_llm.chat(parts, greedy, use_tqdm=False)[0].prompt == default_llm.chat(joined, greedy, use_tqdm=False)[0].prompt
+    with pytest.raises(ValueError, match="conversation 0: content parts of type 'image_url'"):
+        default_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], greedy, use_tqdm=False)
+    bare = default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert bare.prompt == tok.apply_chat_template(conversations[0], add_generation_prompt=False)  # merged over the argument
     plain = default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template="{{ messages[0].content }}")[0]
     assert plain.prompt == "What is the capital of France?" == default_llm.generate(plain.prompt, greedy, use_tqdm=False)[0].prompt
     with pytest.raises(ValueError, match="has no tokenizer, so no chat template"):
         LLM(tiny_model_dir("llama"), device="cpu", num_kv_blocks=16).chat(conversations[0])
+
+
+def test_max_tokens_is_cut_to_max_model_len_as_vllm_does():
+    "prompt + max_tokens past max_model_len ends with 'length' at max_model_len; a prompt that fills it gets one token."
+    engine = LLMEngine(tiny_model_dir("llama"), max_model_len=32, num_kv_blocks=8, device="cpu")
+    asked = SamplingParams(temperature=0, max_tokens=100, min_tokens=50, ignore_eos=True)
+    for request_id, prompt_len in [("cut", 20), ("full", 32), ("default", 30)]:  # default: max_tokens=16, 2 left
+        engine.add_request(request_id, [1] * prompt_len, SamplingParams(temperature=0, ignore_eos=True) if request_id == "default" else asked)
+    with pytest.raises(ValueError, match=r"prompt \(33 tokens\) is longer than max_model_len=32"):
+        engine.add_request("long", [1] * 33, asked)
+    outs = {}
+    while engine.has_unfinished(): outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert {i: (len(o.token_ids), o.finish_reason) for i, o in outs.items()} == {"cut": (12, "length"), "full": (1, "length"),
+                                                                                "default": (2, "length")}
+    assert (asked.max_tokens, asked.min_tokens) == (100, 50)  # the caller's SamplingParams is theirs: the request cut its copy
+    assert engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_abort_takes_one_id_or_an_iterable_of_them():
+    "vLLM's abort_request: a str or an iterable of str; anything else is refused, not looked up as str(list)."
+    engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=32, device="cpu")
+    for request_id in "abc": engine.add_request(request_id, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert [o.request_id for o in engine.abort(["a", "b", "never"])] == ["a", "b"]
+    assert [o.request_id for o in engine.abort(iter(["c"]))] == ["c"] and not engine.has_unfinished()
+    for bad in [5, None, ["a", 5], [["a"]]]:
+        with pytest.raises(ValueError, match="expected a request id \\(a str\\) or an iterable of them"): engine.abort(bad)
+    assert engine.abort([]) == [] and engine.abort("a") is None
 
 
 def test_engine_step_abort_and_metrics():
@@ -432,12 +467,12 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(default_llm):
     engine = default_llm.llm_engine
     cases = [("", SamplingParams(), "empty"),
              ([1, 2, 10**6], SamplingParams(), r"in \[0, 49152\)"),
-             ("Hi", SamplingParams(max_tokens=600), "exceeds max_model_len=512"),
+             ([1] * 513, SamplingParams(max_tokens=1), r"prompt \(513 tokens\) is longer than max_model_len=512"),
              ("Hi", "greedy", "must be a SamplingParams"), ("Hi", 0, "must be a SamplingParams, got int")]
     for prompt, params, match in cases:
         with pytest.raises(ValueError, match=match): engine.add_request(None, prompt, params)
-    with pytest.raises(ValueError, match="prompt 1: .*exceeds max_model_len"):
-        default_llm.generate(["Hi", "Hi"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=1000)], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: .*longer than max_model_len"):
+        default_llm.generate(["Hi", [1] * 600], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="3 SamplingParams for 2 prompts"):
         default_llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts\\[1\\] is a int"):
@@ -769,8 +804,8 @@ def test_llm_starts_from_the_models_generation_config_as_vllm_does(tmp_path):
     assert all(len(o.token_ids) <= 5 for o in llm.generate(prompts, use_tqdm=False))
     (model / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0, "max_new_tokens": 1000}))
     long = LLM(model, device="cpu", num_kv_blocks=64, max_model_len=128, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="exceeds max_model_len=128"):  # a request's own max_tokens is not cut
-        long.generate([list(range(1, 101))], SamplingParams(temperature=0, max_tokens=125, ignore_eos=True), use_tqdm=False)
+    capped = long.generate([list(range(1, 101))], SamplingParams(temperature=0, max_tokens=125, ignore_eos=True), use_tqdm=False)
+    assert len(capped[0].token_ids) == 28 and capped[0].finish_reason == "length"  # a request's own max_tokens is cut too
     defaulted = long.generate([[1, 2, 3], list(range(1, 101))], use_tqdm=False)  # max_new_tokens 1000: what each prompt leaves
     assert all(len(o.token_ids) <= 128 - len(o.prompt_token_ids) for o in defaulted)
     assert model_sampling_defaults(model, "vllm") == {}

@@ -98,6 +98,13 @@ def test_prompt_beyond_context_is_refused():
     for bad, match in [([V], rf"in \[0, {V}\)"), ([-1], "got \\[-1\\]"), ([1.0, 2.0], "integers"), ("hello", "got a str")]:
         with pytest.raises(ValueError, match=match):
             generate(model, NoText(), bad, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", 0), ("prompt_logprobs", 1)])
+def test_what_generate_cannot_do_is_refused_not_ignored(field, value):
+    model = load_model(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match=f"{field}={value}: generate makes one completion"):
+        generate(model, NoText(), [1, 2, 3], SamplingParams(max_tokens=2, **{field: value}))
     with pytest.raises(ValueError, match="params must be a SamplingParams"):
         generate(model, NoText(), [1], None)
     assert generate(model, NoText(), torch.tensor([1, 2]), SamplingParams(max_tokens=2, temperature=0)).token_ids == \

@@ -1,4 +1,4 @@
-import json, shutil
+import dataclasses, json, shutil
 
 import pytest, torch
 from nanoserve import loader
@@ -117,6 +117,16 @@ def test_dtype_argument():
         load_model(tiny_model_dir("llama"), dtype="int8")
     with pytest.raises(ValueError, match="dtype='foo'"):  # the name given, not what it failed to become
         load_model(tiny_model_dir("llama"), dtype="foo")
+
+
+def test_dtype_auto_is_the_choice_made_without_one():
+    "vLLM's default dtype='auto' is nanoserve's None: float32 on a CPU, the checkpoint's dtype on a GPU."
+    from nanoserve.loader import pick_dtype
+    from nanoserve.model import ModelConfig
+    cfg = dataclasses.replace(ModelConfig.from_json(tiny_model_dir("llama")), torch_dtype="bfloat16")
+    assert pick_dtype("auto", cfg, torch.device("cuda")) == pick_dtype(None, cfg, torch.device("cuda")) == torch.bfloat16
+    assert pick_dtype("auto", cfg, torch.device("cpu")) == torch.float32
+    assert load_model(tiny_model_dir("llama"), dtype="auto").lm_head.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("device, match", [("tpu", "not a device|'cpu' or 'cuda'"), (object(), "not a device"),

@@ -148,11 +148,22 @@ def test_finished_sequences_free_blocks_in_the_same_step():
 
 
 @pytest.mark.parametrize("prompt_len, max_tokens, match", [(60, 10, "exceeds max_model_len=64"),
+                                                           (64, 2, r"\(64 tokens\) \+ max_tokens \(2\) = 66 exceeds"),
+                                                           (65, 1, r"prompt \(65 tokens\) is longer than max_model_len=64"),
                                                            (30, 10, "whole cache has 8")])
 def test_refuses_what_can_never_fit(prompt_len, max_tokens, match):
     s = scheduler(num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match=match): s.add(seq(0, prompt_len, max_tokens))
     assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, num_blocks", [(64, 1, 16), (30, 3, 8)])
+def test_the_last_token_needs_no_room(prompt_len, max_tokens, num_blocks):
+    "A prompt of max_model_len tokens samples one (vLLM's rule); the cache holds all but the last token, so 33 tokens fit in 32 slots."
+    s = scheduler(num_blocks=num_blocks, block_size=4)
+    s.add(seq(0, prompt_len, max_tokens))
+    while s.has_unfinished(): step(s)
+    assert s.blocks.num_free_blocks == num_blocks
 
 
 def test_abort_in_every_state():

@@ -200,6 +200,38 @@ def test_chat_equals_llm_generate_plain_and_streamed(client, reference):
     assert parts[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def stream_chunks(url: str, path: str, body: dict) -> list:
+    "The JSON chunks of a streamed request."
+    with httpx.stream("POST", f"{url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=120) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_stream_options_give_usage_by_default_and_in_every_chunk_if_asked(url):
+    "vLLM's StreamOptions: include_usage defaults to true; continuous_usage_stats puts each choice's counts so far in every chunk."
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 1, "logprobs": 0, "ignore_eos": True}
+    last = stream_chunks(url, C, {**body, "stream_options": {}})
+    assert last[-1]["choices"] == [] and last[-1]["usage"]["completion_tokens"] == 8
+    assert all(chunk["usage"] is None for chunk in last[:-1])
+    assert all(c["usage"] is None for c in stream_chunks(url, C, {**body, "stream_options": {"include_usage": False,
+                                                                                               "continuous_usage_stats": True}}))
+    chunks = stream_chunks(url, C, {**body, "stream_options": {"continuous_usage_stats": True}})
+    prompt_tokens, seen = chunks[-1]["usage"]["prompt_tokens"], [0, 0]
+    for chunk in chunks[:-1]:
+        [c] = chunk["choices"]
+        seen[c["index"]] += len(c["logprobs"]["tokens"])
+        assert chunk["usage"]["prompt_tokens"] == prompt_tokens and chunk["usage"]["completion_tokens"] == seen[c["index"]]
+        assert chunk["usage"]["total_tokens"] == prompt_tokens + seen[c["index"]]
+    assert seen == [4, 4]
+    chat = stream_chunks(url, CHAT_PATH, {"messages": CHAT, "max_tokens": 3, "n": 2, "logprobs": True, "ignore_eos": True,
+                                          "stream_options": {"continuous_usage_stats": True}})
+    prompt_tokens, seen = chat[-1]["usage"]["prompt_tokens"], [0, 0]
+    for chunk in chat[:-1]:
+        [c] = chunk["choices"]
+        seen[c["index"]] += len((c["logprobs"] or {"content": []})["content"])  # the role's chunk and the finish chunk: none
+        assert (chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]) == (prompt_tokens, seen[c["index"]])
+    assert seen == [3, 3] and chat[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_async_client_streams_concurrently(url, reference):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -321,6 +353,18 @@ def test_completion_logprobs(client):
     assert tokens == lp.tokens
 
 
+def test_completion_top_logprobs_always_hold_the_chosen_token(client):
+    "OpenAI's rule, and vLLM's: the chosen token's log probability is always given, so up to logprobs + 1 entries."
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=2.0, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert list(top)[0] == token and top[token] == chosen and len(top) <= 2
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # at temperature 2, some chosen tokens are not the most likely
+    alone = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, echo=True, logprobs=0, temperature=0).choices[0].logprobs
+    assert alone.top_logprobs[0] is None  # the prompt's first token has nothing before it
+    assert alone.top_logprobs[1:] == [{t: v} for t, v in zip(alone.tokens[1:], alone.token_logprobs[1:])]
+
+
 def test_echo_returns_the_prompt_scored_as_llm_prompt_logprobs(client, reference):
     "lm-evaluation-harness's request: the prompt alone (max_tokens 0) with its log probabilities, as LLM.generate gives them."
     prompt = PROMPTS[0] + " Paris."
@@ -333,7 +377,8 @@ def test_echo_returns_the_prompt_scored_as_llm_prompt_logprobs(client, reference
     assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4)
     tok = reference["llm"].get_tokenizer()
     assert lp.tokens == [tok.decode([t]) for t in want.prompt_token_ids] and "".join(lp.tokens) == prompt
-    assert [list(top) for top in lp.top_logprobs[1:]] == [[tok.decode([e.top[0][0]])] for e in want.prompt_logprobs[1:]]
+    assert [list(top) for top in lp.top_logprobs[1:]] == [list(dict.fromkeys([tok.decode([t]), tok.decode([e.top[0][0]])]))
+                                                          for t, e in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])]  # its own, then the best
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0)
     generated = reference["llm"].generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
@@ -461,9 +506,10 @@ def test_tokenize_takes_long_documents_and_special_tokens_as_asked(url):
 
 
 def test_tokenize_adds_special_tokens_to_a_prompt_and_not_to_a_conversation():
+    "vLLM's add_special_tokens: by default true for a prompt, false for a conversation; /tokenize, completions and chat alike."
     import asyncio
     from types import SimpleNamespace
-    from nanoserve.protocol import TokenizeRequest
+    from nanoserve.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
     from nanoserve.server import OpenAIServer
     class Tokenizer:  # records what it was asked
         chat_template = "{{ messages[0].content }}"
@@ -475,6 +521,9 @@ def test_tokenize_adds_special_tokens_to_a_prompt_and_not_to_a_conversation():
     chat = [{"role": "user", "content": "hi"}]
     assert (ask(prompt="hi"), ask(prompt="hi", add_special_tokens=False), ask(messages=chat), ask(messages=chat, add_special_tokens=True)) == \
            ([1], [0], [0], [1])
+    complete = lambda **body: asyncio.run(OpenAIServer.completion_prompts(server, CompletionRequest(prompt="hi", **body)))
+    answer = lambda **body: asyncio.run(OpenAIServer.chat_prompt(server, ChatCompletionRequest(messages=chat, **body)))
+    assert (complete(), complete(add_special_tokens=False), answer(), answer(add_special_tokens=True)) == ([[1]], [[0]], [0], [1])
 
 
 def test_chat_logprobs(client):
@@ -491,7 +540,7 @@ def test_chat_logprobs(client):
 
 def test_log_probabilities_name_partial_characters_by_their_bytes_and_count_offsets_in_characters():
     from nanoserve.engine import RequestMetrics, RequestOutput, TokenLogprobs
-    from nanoserve.protocol import chat_logprobs, completion_logprobs
+    from nanoserve.protocol import TextOffsets, chat_logprobs, completion_logprobs
     from nanoserve.tokenizer import load_tokenizer
     tok, text = load_tokenizer(), " \U0001f389\U0001f389 ok"
     ids = tok.encode(text, add_special_tokens=False)  # ' \xf0\x9f', '\x8e', '\x89', '\xf0\x9f', '\x8e', '\x89', ' ok'
@@ -501,9 +550,10 @@ def test_log_probabilities_name_partial_characters_by_their_bytes_and_count_offs
     assert whole["tokens"] == ["bytes: \\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89", "bytes:\\xf0\\x9f", "bytes:\\x8e", "bytes:\\x89", " ok"]
     assert whole["text_offset"] == [0, 1, 1, 2, 2, 2, 3]  # characters of the text: each emoji is one
     assert whole["top_logprobs"][1] == {"bytes:\\x8e": -0.5, " ok": -1.5}
-    for cut in range(1, len(ids)):  # streamed in two chunks; the second starts where the text sent so far ends
-        sent = len(tok.decode(ids[:cut]).rstrip("\ufffd"))  # what the detokenizer let out: no partial character
-        first, second = completion_logprobs(out, tok, 0, cut), completion_logprobs(out, tok, cut, len(ids), text_offset=sent)
+    for cut in range(1, len(ids)):  # streamed in two chunks, with one TextOffsets; the second's text starts where the first's ends
+        sent, offsets = len(tok.decode(ids[:cut]).rstrip("\ufffd")), TextOffsets(tok)  # sent: no partial character
+        first = completion_logprobs(out, tok, 0, cut, offsets=offsets)
+        second = completion_logprobs(out, tok, cut, len(ids), text_offset=sent, offsets=offsets)
         assert first["text_offset"] + second["text_offset"] == whole["text_offset"], cut
     content = chat_logprobs(out, tok, 0, len(ids))["content"]
     assert [c["token"] for c in content][:2] == [" \\xf0\\x9f", "\\x8e"]  # chat: no prefix, the bytes are in their own field
@@ -524,6 +574,21 @@ def test_logprobs_of_tokens_that_hold_part_of_a_character(client, url):
         "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
     assert bytes(b for c in content["logprobs"]["content"] for b in c["bytes"]).decode(errors="replace").startswith(
         content["message"]["content"])  # the bytes rebuild the text
+
+
+@pytest.mark.parametrize("extra", [{}, {"echo": True, "n": 2}])
+def test_streamed_text_offsets_equal_the_responses_when_a_token_ends_inside_a_character(url, extra):
+    "The detokenizer holds back the text of a token that ends inside a character (here a space and half an emoji)."
+    body = {"model": MODEL, "prompt": "Emojis: \U0001f600\U0001f389\U0001f525 \u4f60\u597d. More:", "max_tokens": 6, "temperature": 0,
+            "logprobs": 1, **extra}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for choice in whole:
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
+        assert [o for c in mine for o in c["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+    assert any(t.startswith("bytes:") for t in whole[0]["logprobs"]["tokens"])  # the case this test is about
 
 
 def test_min_tokens_reaches_the_engine(client):
@@ -698,6 +763,9 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
     (C, {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": 3, "min_tokens": 5}, 400, "min_tokens"),
+    (CHAT_PATH, {"messages": CHAT, "max_tokens": 3, "min_tokens": 5}, 400, "min_tokens"),
+    (C, {"prompt": ["a", [1, 2]]}, 400, "prompt"),
     (C, {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     (C, {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
     (C, {"prompt": [1, 2, 10**6]}, 400, "prompt"),
@@ -750,6 +818,48 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["code"] == status
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+VLLM_REFUSED = {"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"],
+                "truncate_prompt_tokens": 5, "spaces_between_special_tokens": False, "guided_json": {"type": "object"},
+                "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"choice": ["a"]},
+                "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "priority": 1, "cache_salt": "salt",
+                "response_format": {"type": "json_object"}, "best_of": 2}  # vLLM honours each; nanoserve cannot
+
+
+def test_vllm_fields_that_nanoserve_does_not_honour_are_refused_by_name_unless_at_their_defaults(url):
+    chat_only = {"echo": True, "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"text": "a"}],
+                 "structural_tag": "{}", "chat_template_kwargs": {"add_generation_prompt": False}}
+    for path, base, fields in ((C, {"prompt": "hi"}, {**VLLM_REFUSED, "prompt_embeds": "AAAA"}),
+                               (CHAT_PATH, {"messages": CHAT}, {**VLLM_REFUSED, **chat_only})):
+        for name, value in fields.items():
+            r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **base, name: value}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == name and name in r.json()["error"]["message"], (path, name, r.text)
+    prefilled = [*CHAT, {"role": "assistant", "content": "The capital"}]  # the tester's request, which once started a new turn
+    r = httpx.post(f"{url}{CHAT_PATH}", json={"model": MODEL, "messages": prefilled, "add_generation_prompt": False,
+                                              "continue_final_message": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
+                "priority": 0, "guided_json": None, "return_tokens_as_token_ids": False, "best_of": 1, "response_format": {"type": "text"}}
+    for path, base in ((C, {"prompt": "hi"}), (CHAT_PATH, {"messages": CHAT, "echo": False, "continue_final_message": False})):
+        r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **base, **defaults}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_chat_without_the_generation_prompt_is_the_conversation_as_rendered(url, reference):
+    "vLLM's add_generation_prompt: false renders the conversation without the assistant's opening, as /tokenize does."
+    body = {"model": MODEL, "messages": CHAT, "add_generation_prompt": False}
+    ids = httpx.post(f"{url}/tokenize", json=body, timeout=60).json()["tokens"]
+    r = httpx.post(f"{url}{CHAT_PATH}", json={**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=60).json()
+    want = reference["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert r["usage"]["prompt_tokens"] == len(ids) < len(reference["chat"].prompt_token_ids)
+    assert r["choices"][0]["message"]["content"] == want.text
+
+
+def test_a_list_of_prompts_of_two_kinds_is_refused_as_such():
+    "Pydantic alone reported the first union branch's error: 'prompt[0]: Input should be a valid integer'."
+    from nanoserve.protocol import CompletionRequest
+    with pytest.raises(ValueError, match="strings only, or lists of token ids only"): CompletionRequest(prompt=["a", [1, 2]])
 
 
 def test_null_means_the_default(url):
@@ -1088,7 +1198,7 @@ def test_serve_collects_young_objects_less_often_in_its_own_process(monkeypatch)
 @pytest.mark.parametrize("engine_process", [False, True])
 def test_chat_template_given_to_the_server_renders_every_conversation(tiny_chat_model, engine_process):
     "vLLM's --chat-template: a template (or its file) instead of the model's, for chat requests, /tokenize and /tokenizer_info."
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    template = "{{ prefix }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     with pytest.raises(ValueError, match="chat_template: line 1"):
         make_server(str(tiny_chat_model), port=0, chat_template="{% for %}", device="cpu")
     server = make_server(str(tiny_chat_model), port=0, max_model_len=128, num_kv_blocks=32, device="cpu", log_level="warning",
@@ -1100,6 +1210,11 @@ def test_chat_template_given_to_the_server_renders_every_conversation(tiny_chat_
         assert httpx.get(f"{url}/tokenizer_info", timeout=60).json()["chat_template"] == template
         chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60).json()
         assert chat["usage"]["prompt_tokens"] == len(want)
+        variables = {"messages": CHAT, "chat_template_kwargs": {"prefix": "Q&A\n"}}  # vLLM's: more variables for the template
+        prefixed = tok.encode("Q&A\n[user] What is the capital of France?\n[assistant] ", add_special_tokens=False)
+        assert httpx.post(f"{url}/tokenize", json=variables, timeout=60).json()["tokens"] == prefixed
+        chat = httpx.post(f"{url}/v1/chat/completions", json={**variables, "max_tokens": 2}, timeout=60).json()
+        assert chat["usage"]["prompt_tokens"] == len(prefixed)
 
 
 @pytest.mark.parametrize("engine_process", [False, True])

@@ -329,6 +329,16 @@ def test_template_errors_become_value_errors():
         smol().apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
 
 
+def test_content_text_joins_text_parts_as_vllm_and_names_the_others():
+    "The one flattening LLM.chat and the server share: text parts joined with newlines, other parts refused by type."
+    from nanoserve.tokenizer import content_text
+    assert content_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
+    assert content_text("a") == "a" and content_text(None) is None and content_text([]) == ""
+    for bad, match in [([{"type": "image_url", "image_url": {}}, {"type": "input_audio"}], "type 'image_url', 'input_audio'"),
+                       (["a"], "type 'str'"), ([{"type": "text", "text": 5}], "type 'text'"), (5, "content=5: expected a string")]:
+        with pytest.raises(ValueError, match=match): content_text(bad)
+
+
 def test_missing_tokenizer_json(tmp_path):
     copy_tokenizer(tmp_path, small=True)
     (tmp_path / "tokenizer.json").unlink()
