@@ -68,22 +68,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 # %% ../chapters/03_attention.ipynb #d35d4f84
 class Attention(nn.Module):
-    "Causal grouped-query self-attention over one token stream, with the projections named as in Llama/Qwen3 checkpoints."
+    "Causal grouped-query self-attention over one token stream, with the projections named as in the checkpoints."
     def __init__(self, hidden_size: int,  # E
                  num_heads: int,  # H query heads
                  num_kv_heads: int,  # K key/value heads, H % K == 0
                  head_dim: int,  # D
                  qk_norm: bool = False,  # Qwen3: RMSNorm over D of every q and k head, before RoPE
                  rms_norm_eps: float = 1e-6,  # epsilon of the q/k norms
-                 bias: bool = False):  # a bias on all four projections
+                 bias: bool = False,  # a bias on all four projections (Llama's and Qwen3's attention_bias)
+                 qkv_bias: bool = False):  # a bias on q, k and v only (Qwen2)
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (>= 1)")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)  # E -> H*D
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)  # E -> K*D
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)  # E -> K*D
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias or qkv_bias)  # E -> H*D
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias or qkv_bias)  # E -> K*D
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias or qkv_bias)  # E -> K*D
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)  # H*D -> E
         self.qk_norm = qk_norm
         if qk_norm: self.q_norm, self.k_norm = RMSNorm(head_dim, rms_norm_eps), RMSNorm(head_dim, rms_norm_eps)

@@ -40,10 +40,13 @@ def random_requests(num_requests: int = 256, input_len: tuple = (100, 1024), out
 # %% ../chapters/11c_benchmark.ipynb #0bb896cb
 def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Bytes of weights one decode step reads: every parameter, except an untied input embedding (only rows are gathered).
-    With quantization="int8" (chapter 9c) the matmuls' weights, LM head included, are one byte each plus a float32 scale per row."""
+    With quantization="int8" (chapter 9c) the matmuls' weights, LM head included, are one byte each plus a float32 scale
+    per row; norms and biases keep `dtype`."""
     E, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     norms = L * (2 * E + (2 * D if cfg.qk_norm else 0)) + E  # two per layer (and q/k norms), the final norm
+    biases = L * ((H + 2 * K) * D * (cfg.attention_bias or cfg.qkv_bias) + E * cfg.attention_bias + (2 * F + E) * cfg.mlp_bias)
+    norms += biases  # vectors, not matrices: kept in `dtype` when the matmuls are quantized
     matmuls = matmul_params(cfg) + V * E  # the layers and the LM head (= the embedding when tied)
     if quantization is None: return (matmuls + norms) * dtype.itemsize
     if quantization != "int8": raise ValueError(f"quantization={quantization!r}: expected None or 'int8'")

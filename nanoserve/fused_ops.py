@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['SILU_BLOCK', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_NUM_WARPS', 'GEMV_NUM_STAGES', 'LOGPROB_BLOCK_V', 'SEARCH_BLOCK_V',
            'SEARCH_NUM_WARPS', 'SEARCH_SMS_PER_PROGRAM', 'rms_norm', 'rope', 'silu_and_mul', 'merge_linears',
-           'add_rms_norm', 'gemv', 'linear', 'logprob_rows', 'token_logprobs_fused', 'search_programs', 'search_filter',
-           'fuse_small_ops', 'unfuse_small_ops']
+           'merge_biases', 'add_rms_norm', 'gemv', 'linear', 'logprob_rows', 'token_logprobs_fused', 'search_programs',
+           'search_filter', 'fuse_small_ops', 'unfuse_small_ops']
 
 # %% ../chapters/09b_fused_ops.ipynb #efe58ad6
 import types
@@ -144,10 +144,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
 
 # %% ../chapters/09b_fused_ops.ipynb #34825099
 def merge_linears(*linears: torch.nn.Linear) -> torch.Tensor:
-    "Stack the weights of bias-free linears row-wise into one tensor, and make each weight a view of its rows."
-    if any(l.bias is not None for l in linears): raise ValueError("merge_linears needs linears without bias")
+    "Stack the weights of linears row-wise into one tensor, and make each weight a view of its rows."
     merged = torch.cat([l.weight.detach() for l in linears])  # (sum of out_features, in_features)
     for l, rows in zip(linears, merged.split([l.out_features for l in linears])): l.weight.data = rows
+    return merged
+
+def merge_biases(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    "Stack the biases of linears that all have one into one tensor, each bias a view of its part; None if none has one."
+    has = [l.bias is not None for l in linears]
+    if not any(has): return None
+    if not all(has): raise ValueError("merge_biases needs linears that all have a bias, or none")
+    merged = torch.cat([l.bias.detach() for l in linears])  # (sum of out_features,)
+    for l, part in zip(linears, merged.split([l.out_features for l in linears])): l.bias.data = part
     return merged
 
 # %% ../chapters/09b_fused_ops.ipynb #b2e6f8a1
@@ -220,12 +228,13 @@ def gemv(x: torch.Tensor,  # (K,)
                                                       num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, PDL=pdl, launch_pdl=pdl)
     return out
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:  # (T, K), (N, K) -> (T, N)
-    "x @ weight.T: the GEMV above for a single row on a GPU (or under the interpreter), F.linear otherwise."
-    if not isinstance(weight, torch.Tensor): return weight(x)  # a layer that multiplies by itself (chapter 9c's int8 weights)
-    one_row = x.dim() == 2 and len(x) == 1 and x.dtype == weight.dtype and weight.stride(-1) == 1
-    if not one_row or not (x.is_cuda or interpreting()): return torch.nn.functional.linear(x, weight)
-    return gemv(x[0], weight)[None]
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:  # (T, K), (N, K), (N,) -> (T, N)
+    "x @ weight.T + bias: the GEMV above for a single row on a GPU (or under the interpreter), F.linear otherwise."
+    if not isinstance(weight, torch.Tensor): out = weight(x)  # a layer that multiplies by itself (chapter 9c's int8 weights)
+    elif x.dim() == 2 and len(x) == 1 and x.dtype == weight.dtype and weight.stride(-1) == 1 and (x.is_cuda or interpreting()):
+        out = gemv(x[0], weight)[None]  # one row
+    else: return torch.nn.functional.linear(x, weight, bias)
+    return out if bias is None else out + bias
 
 # %% ../chapters/09b_fused_ops.ipynb #lp9b0002
 LOGPROB_BLOCK_V = 4096  # vocabulary entries per loop iteration of a row's program
@@ -452,16 +461,16 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
 # %% ../chapters/09b_fused_ops.ipynb #56cfc07a
 def _fused_norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor: return rms_norm(x, self.weight, self.eps)
 
-def _fused_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight)
+def _fused_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
 
 def _fused_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
     "down(silu(gate x) * up x) with one matmul for gate and up, and one kernel between them."
     return self.down_proj(silu_and_mul(linear(x, self.gate_up_weight)))
 
 def _fused_qkv(self: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    "Chapter 3's qkv with one matmul for q, k and v, the fused norms, and one RoPE launch for q and k together."
+    "Chapter 3's qkv with one matmul for q, k and v (and their biases), the fused norms, and one RoPE launch for q and k together."
     T, H, K = x.shape[0], self.num_heads, self.num_kv_heads
-    heads = linear(x, self.qkv_weight).view(T, H + 2 * K, self.head_dim)  # q, k, v heads side by side
+    heads = linear(x, self.qkv_weight, self.qkv_bias).view(T, H + 2 * K, self.head_dim)  # q, k, v heads side by side
     q, k, v = heads.split([H, K, K], dim=1)  # views
     if self.qk_norm: return rope(self.q_norm(q), cos, sin), rope(self.k_norm(k), cos, sin), v
     rope(heads[:, :H + K], cos, sin, out=heads[:, :H + K])  # q and k rotated in place, by one launch
@@ -484,17 +493,17 @@ def fuse_small_ops(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, RMSNorm): m.forward = types.MethodType(_fused_norm_forward, m)
         elif isinstance(m, Transformer): m.forward = types.MethodType(_fused_stack_forward, m)
-        elif isinstance(m, torch.nn.Linear) and m.bias is None: m.forward = types.MethodType(_fused_linear_forward, m)
+        elif isinstance(m, torch.nn.Linear): m.forward = types.MethodType(_fused_linear_forward, m)
         elif isinstance(m, MLP) and type(m.gate_proj) is torch.nn.Linear and m.gate_proj.bias is None:
             m.gate_up_weight = merge_linears(m.gate_proj, m.up_proj)
             m.forward = types.MethodType(_fused_mlp_forward, m)
-        elif isinstance(m, Attention) and type(m.q_proj) is torch.nn.Linear and m.q_proj.bias is None:
-            m.qkv_weight = merge_linears(m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, Attention) and type(m.q_proj) is torch.nn.Linear:
+            m.qkv_weight, m.qkv_bias = merge_linears(m.q_proj, m.k_proj, m.v_proj), merge_biases(m.q_proj, m.k_proj, m.v_proj)
             m.qkv = types.MethodType(_fused_qkv, m)
     return model
 
 def unfuse_small_ops(model: torch.nn.Module) -> torch.nn.Module:
     "Undo fuse_small_ops: back to the PyTorch ops of chapters 1-5 (the weights stay views of the merged ones)."
     for m in model.modules():
-        for name in ("forward", "qkv", "qkv_weight", "gate_up_weight"): m.__dict__.pop(name, None)
+        for name in ("forward", "qkv", "qkv_weight", "qkv_bias", "gate_up_weight"): m.__dict__.pop(name, None)
     return model

@@ -217,11 +217,13 @@ def quantize_model(model: nn.Module) -> nn.Module:
         for name, parts in STACKED.items():  # a stacked weight: quantize it once, its parts become views of its rows
             stacked = m.__dict__.get(name)
             if not isinstance(stacked, torch.Tensor): continue
-            layer = m.__dict__[name] = Int8Linear(*quantize_int8(stacked))  # chapter 9b stacks only bias-free layers
+            layer = m.__dict__[name] = Int8Linear(*quantize_int8(stacked))  # a stacked bias stays beside it (chapter 9b)
             start = 0
             for part in parts:
-                stop = start + getattr(m, part).out_features
+                old = getattr(m, part)
+                stop = start + old.out_features
                 setattr(m, part, layer.rows(start, stop))
+                if old.bias is not None: getattr(m, part).bias = old.bias.detach()  # a view of the stacked bias
                 start = stop
         for name, child in list(m.named_children()):
             if type(child) is nn.Linear: setattr(m, name, Int8Linear.from_linear(child))

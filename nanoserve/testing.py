@@ -24,6 +24,12 @@ TINY_CONFIGS = {
     "qwen3": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    "mistral": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+                    rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=None),
 }
 
 # %% ../chapters/00_harness.ipynb #c1c720a5
@@ -36,10 +42,11 @@ def quiet_transformers():
 
 # %% ../chapters/00_harness.ipynb #183d2a65
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    "A seeded random-weight transformers model of `arch` ('llama' or 'qwen3'), float32, in eval mode."
+    "A seeded random-weight transformers model of `arch` (a key of TINY_CONFIGS), float32, in eval mode."
     quiet_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    import transformers as tf
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
     if arch not in classes: raise ValueError(f"arch={arch!r}: expected one of {sorted(classes)}")
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
@@ -47,6 +54,7 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name: param.normal_(1.0, 0.2)
+            elif name.endswith(".bias"): param.normal_(0.0, 0.2)
     return model.float().eval()
 
 # %% ../chapters/00_harness.ipynb #93519f9d

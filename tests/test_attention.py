@@ -157,7 +157,8 @@ def test_layer_is_causal_and_keeps_dtype():
 def attention_from_hf(hf, i):
     c, ref = hf.config, hf.model.layers[i].self_attn
     ours = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, ref.head_dim,
-                     qk_norm=hasattr(ref, "q_norm"), rms_norm_eps=c.rms_norm_eps, bias=c.attention_bias)
+                     qk_norm=hasattr(ref, "q_norm"), rms_norm_eps=c.rms_norm_eps,
+                     bias=ref.o_proj.bias is not None, qkv_bias=ref.q_proj.bias is not None)
     ours.load_state_dict(ref.state_dict())  # strict: every name matches the checkpoint's
     return ours
 
@@ -174,7 +175,7 @@ def check_layers(hf, ids, atol=1e-5):
     return calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_matches_transformers_tiny(arch):
     check_layers(hf_model(tiny_model_dir(arch)), torch.arange(13) * 37 % 512)
 
@@ -183,6 +184,14 @@ def test_matches_transformers_with_bias():
     hf = tiny_hf_model("llama", attention_bias=True)
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
     check_layers(hf, torch.arange(9) * 11 % 512)
+
+
+def test_qwen2_biases_are_on_q_k_and_v_only():
+    hf = hf_model(tiny_model_dir("qwen2"))
+    attn = hf.model.layers[0].self_attn
+    assert attn.q_proj.bias.abs().min() > 0 and attn.o_proj.bias is None  # jittered, so a bias left unloaded shows
+    ours = attention_from_hf(hf, 0)
+    assert [p.bias is not None for p in (ours.q_proj, ours.k_proj, ours.v_proj, ours.o_proj)] == [True, True, True, False]
 
 
 def test_matches_transformers_default_model():

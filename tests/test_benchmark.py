@@ -32,7 +32,8 @@ def test_floor_counts_a_shared_prefix_once():
     assert plain["decode_bytes"] == shared["decode_bytes"]  # decode still reads every position
 
 
-@pytest.mark.parametrize("name, params", [("Llama-3.2-1B", 1.236e9), ("Qwen3-0.6B", 0.596e9), ("Llama-3.1-8B", 8.03e9)])
+@pytest.mark.parametrize("name, params", [("Llama-3.2-1B", 1.236e9), ("Qwen3-0.6B", 0.596e9), ("Llama-3.1-8B", 8.03e9),
+                                          ("Qwen2.5-0.5B", 0.494e9)])
 def test_weight_bytes_match_the_published_parameter_counts(name, params):
     cfg = ModelConfig.from_json(CONFIGS / name)
     counted = weight_bytes_per_step(cfg, torch.bfloat16) / 2 + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)

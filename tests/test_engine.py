@@ -102,8 +102,9 @@ def test_generation_configs_other_end_ids_stop_with_a_stop_reason_as_in_vllm(tmp
     assert stop not in late.token_ids[:free.index(stop) + 1]  # min_tokens bans them as it bans EOS
 
 
-def test_tiny_models_batch_equals_transformers(tiny):
-    arch, d = tiny
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+def test_tiny_models_batch_equals_transformers(arch):
+    d = tiny_model_dir(arch)
     outs = LLM(d, num_kv_blocks=128, device="cpu").generate(random_prompts(), GREEDY, use_tqdm=False)
     hf = hf_model(d)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12, eos_token_id=None) for p in random_prompts()]
@@ -674,7 +675,7 @@ def test_gpu_to_device_through_pinned_memory_equals_the_array():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
     d = tiny_model_dir(arch)
     prompts, params = random_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

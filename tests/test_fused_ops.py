@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoserve import fused_ops
-from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_linears, rms_norm, rope,
+from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_biases, merge_linears, rms_norm, rope,
                                  search_filter, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
@@ -287,7 +287,7 @@ def test_a_wrong_rotation_is_caught():
     assert not torch.allclose(rope(x, cos, -sin), apply_rope(x, cos, sin), atol=1e-3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_fused_model_equals_unfused(arch):
     model = load_model(tiny_model_dir(arch), device=DEVICE)
     ids = torch.randint(0, 512, (20,), device=DEVICE)
@@ -307,6 +307,18 @@ def test_fused_model_equals_unfused(arch):
     assert torch.equal(again, plain) and "forward" not in model.model.norm.__dict__ and "qkv" not in attn.__dict__
 
 
+def test_merged_biases_are_views_and_the_merged_matmul_adds_them_once():
+    parts = [torch.nn.Linear(8, n).to(DEVICE) for n in (4, 2, 2)]
+    x = torch.randn(3, 8, device=DEVICE)
+    with torch.inference_mode():
+        want = torch.cat([p(x) for p in parts], -1)
+        weight, bias = merge_linears(*parts), merge_biases(*parts)
+        assert all(p.bias.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr() for p in parts)
+        torch.testing.assert_close(linear(x, weight, bias), want)
+        torch.testing.assert_close(linear(x[:1], weight, bias), want[:1])  # one row: the GEMV, then the bias
+    assert merge_biases(torch.nn.Linear(8, 4, bias=False)) is None
+
+
 def test_bad_arguments():
     x = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"): rms_norm(x, torch.ones(7, device=DEVICE), 1e-6)
@@ -318,7 +330,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="even D"): rope(torch.randn(2, 1, 7, device=DEVICE), *angles(2, 8))
     with pytest.raises(ValueError, match="cos and sin must be"): rope(torch.randn(2, 1, 8, device=DEVICE), *angles(3, 8))
     with pytest.raises(ValueError, match="even last dim"): silu_and_mul(x[:, :7])
-    with pytest.raises(ValueError, match="without bias"): merge_linears(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="all have a bias, or none"): merge_biases(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
     with pytest.raises(ValueError, match="x and h must be"): add_rms_norm(x, x[:2], torch.ones(8, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"): add_rms_norm(x, x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="gemv needs"): gemv(x[0], torch.randn(3, 7, device=DEVICE))

@@ -11,7 +11,7 @@ def ours_from_hf(hf):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_logits_match_transformers_tiny(arch):
     hf = hf_model(tiny_model_dir(arch))
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
@@ -58,16 +58,17 @@ def test_config_defaults_and_qwen3_flags():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MistralForCausalLM"]}, "LlamaForCausalLM, Qwen3ForCausalLM"),
+    ({"architectures": ["GemmaForCausalLM"]}, "LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size=0"),
-    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0: expected a positive integer or null"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": "4k"}, "sliding_window='4k'"),
     ({"num_key_value_heads": 0}, "num_key_value_heads=0"),  # once read as "absent", so as many as the query heads
     ({"hidden_size": True}, "hidden_size=True"),
     ({"num_attention_heads": 0}, "num_attention_heads=0"),  # once a ZeroDivisionError
     ({"num_attention_heads": "4"}, "num_attention_heads='4'"),  # once a TypeError
     ({"rope_scaling": "linear"}, "rope_scaling='linear': expected an object"),  # once an AttributeError
-    ({"architectures": "MistralForCausalLM"}, "architecture 'MistralForCausalLM' is not supported"),  # once 'M'
+    ({"architectures": "GemmaForCausalLM"}, "architecture 'GemmaForCausalLM' is not supported"),  # once 'G'
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),  # once read as silu, silently
     ({"rope_theta": [1e6]}, r"rope_theta=\[1000000.0\]: expected a positive number"),  # once a TypeError
     ({"rope_parameters": {"rope_theta": 0}}, "rope_theta=0: expected a positive number"),
@@ -124,13 +125,15 @@ def test_config_variants_read_as_transformers_reads_them(tmp_path, arch, edit, o
 
 
 def test_architecture_defaults_follow_transformers():
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 32}
-    for arch, reference in (("LlamaForCausalLM", LlamaConfig(**base)), ("Qwen3ForCausalLM", Qwen3Config(**base))):
+    for arch, reference in (("LlamaForCausalLM", LlamaConfig(**base)), ("Qwen3ForCausalLM", Qwen3Config(**base)),
+                            ("Qwen2ForCausalLM", Qwen2Config(**base)), ("MistralForCausalLM", MistralConfig(**base))):
         ours = ModelConfig.from_dict({"architectures": [arch], **base})
         ref_head_dim = getattr(reference, "head_dim", None) or 64 // 32
+        window = getattr(reference, "sliding_window", None) or float("inf")  # Mistral's 4096 cuts its context
         assert (ours.head_dim, ours.max_position_embeddings, ours.num_key_value_heads) == \
-            (ref_head_dim, reference.max_position_embeddings, reference.num_key_value_heads), arch
+            (ref_head_dim, min(reference.max_position_embeddings, window), reference.num_key_value_heads), arch
     c = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base, "rope_theta": None, "max_position_embeddings": None})
     assert (c.rope_theta, c.max_position_embeddings) == (10000.0, 2048)  # null reads as absent
     given = {"num_key_value_heads": None, "mlp_bias": True}  # transformers: a null K means K = H; Qwen3's MLP has no bias
@@ -158,3 +161,41 @@ def test_wrong_weights_are_caught():
     ids = torch.arange(12)
     with torch.no_grad():
         assert (ours_from_hf(other)(ids) - hf(ids[None]).logits[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch, overrides, window", [
+    ("mistral", {"sliding_window": 64}, 64),  # Mistral 7B v0.1: every layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}, 48),  # Qwen: the layers from 1 on
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 0}, 40),
+])
+def test_a_sliding_window_cuts_the_context_to_where_full_attention_is_exact(arch, overrides, window):
+    "Up to `window` positions every key is inside the window: our full attention equals transformers' windowed one; one more and it would not."
+    hf = tiny_hf_model(arch, **overrides)
+    assert arch == "mistral" or "sliding_attention" in hf.config.layer_types
+    ours = ours_from_hf(hf)
+    assert ours.config.max_position_embeddings == window
+    ids = torch.randint(0, 512, (window + 1,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(): got, want = ours(ids), hf(ids[None]).logits[0]
+    torch.testing.assert_close(got[:window], want[:window], atol=1e-4, rtol=0)
+    assert (got[window] - want[window]).abs().max() > 1e-3  # the window has let go of the first token: hence the cut
+
+
+def test_sliding_window_keys_are_read_as_transformers_reads_them():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "max_position_embeddings": 32768}
+    context = lambda arch, **d: ModelConfig.from_dict({"architectures": [arch], **base, **d}).max_position_embeddings
+    assert context("MistralForCausalLM") == 4096  # transformers' default window
+    assert context("MistralForCausalLM", sliding_window=None) == 32768  # Mistral 7B v0.3: none
+    assert context("Qwen2ForCausalLM", sliding_window=4096) == 32768  # the key alone: use_sliding_window is false
+    assert context("Qwen2ForCausalLM", sliding_window=4096, layer_types=["full_attention", "sliding_attention"]) == 4096
+    assert context("Qwen2ForCausalLM", use_sliding_window=True) == 4096
+    assert context("LlamaForCausalLM", sliding_window=4096) == 32768  # Llama has none
+
+
+def test_qwen2_has_biases_on_q_k_v_only_whatever_the_config_says():
+    c = ModelConfig.from_json(tiny_model_dir("qwen2"))
+    assert (c.qkv_bias, c.attention_bias, c.mlp_bias, c.qk_norm) == (True, False, False, False)
+    d = {"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True}
+    m = ModelConfig.from_dict(d)
+    assert (m.qkv_bias, m.attention_bias, m.mlp_bias) == (False, False, False)  # transformers' Mistral reads neither key

@@ -10,7 +10,7 @@ from nanoserve.loader import load_model
 from nanoserve.model_runner import EngineConfig
 from nanoserve.quantization import (INT8_DEQUANT_ROWS, INT8_TILES, Int8Linear, _dequantize_triton, dequantize_int8, int8_linear,
                                     int8_splits, int8_tile, quantize_int8, quantize_model)
-from nanoserve.testing import hf_model, tiny_model_dir
+from nanoserve.testing import hf_model, save_tiny_model, tiny_model_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -186,7 +186,7 @@ def as_transformers(ours, model_dir):
     return ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_quantized_model_equals_transformers_with_the_dequantized_weights(arch, fused):
     d = tiny_model_dir(arch)
@@ -219,24 +219,28 @@ def test_a_bias_stays_and_is_added_after_the_matmul():
     assert isinstance(model[0], Int8Linear) and model[0].bias is not None
 
 
-def test_quantized_weights_take_the_bytes_the_benchmark_floor_counts():
+def test_quantized_weights_take_the_bytes_the_benchmark_floor_counts(tmp_path):
     "Chapter 11c's weight_bytes_per_step(..., 'int8') against the bytes a quantized model holds (tied and untied heads)."
     from nanoserve.benchmark import weight_bytes_per_step
-    for arch in ("llama", "qwen3"):
-        model = quantize_model(load_model(tiny_model_dir(arch), device="cpu", dtype=torch.bfloat16))
+    biased = save_tiny_model("llama", tmp_path / "biased", attention_bias=True, mlp_bias=True)
+    for arch, d in [(a, tiny_model_dir(a)) for a in ("llama", "qwen3", "qwen2")] + [("llama with biases", biased)]:
+        model = quantize_model(load_model(d, device="cpu", dtype=torch.bfloat16))
         held = sum(t.numel() * t.element_size() for name, t in list(model.named_parameters()) + list(model.named_buffers())
                    if "embed_tokens" not in name and "rotary" not in name)  # a step gathers rows of the embedding; the tied
     # LM head has its own copy; the rotary frequencies are no weight
         assert weight_bytes_per_step(model.config, torch.bfloat16, "int8") == held, arch
 
 
-def test_stacked_weights_are_quantized_once_and_their_parts_are_views():
-    model = quantize_model(fuse_small_ops(load_model(tiny_model_dir("llama"), device=DEVICE, dtype=torch.float32)))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_stacked_weights_are_quantized_once_and_their_parts_are_views(arch):
+    model = quantize_model(fuse_small_ops(load_model(tiny_model_dir(arch), device=DEVICE, dtype=torch.float32)))
     attn = model.model.layers[0].self_attn
     stacked = attn.__dict__["qkv_weight"]
     assert isinstance(stacked, Int8Linear) and "qkv_weight" not in attn._modules  # not a second registered copy
     for part in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert part.qweight.untyped_storage().data_ptr() == stacked.qweight.untyped_storage().data_ptr()
+        assert (part.bias is None) == (arch == "llama")  # Qwen2's biases stay with the parts, and stacked beside the weight
+    assert (attn.qkv_bias is None) == (arch == "llama") and stacked.bias is None  # added once, not twice
     ids = torch.randint(0, 512, (9,), device=DEVICE)
     with torch.inference_mode():
         fused = model(ids)
