@@ -10,7 +10,7 @@ __all__ = ['log', 'EngineOverloaded', 'EngineStopped', 'RequestFailed', 'LiveOut
 import asyncio, collections, dataclasses, itertools, logging, queue, threading, time
 from dataclasses import dataclass
 
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine, RequestOutput, abort_ids
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -178,9 +178,9 @@ async def _add_request(self: AsyncLLMEngine, prompt, params: SamplingParams | No
         raise
     return stream
 
-def _abort(self: AsyncLLMEngine, request_id: str):
-    "Abort a request from any thread; the engine thread frees its KV blocks before its next step."
-    self._send("abort", str(request_id))
+def _abort(self: AsyncLLMEngine, request_id):
+    "Abort a request, or an iterable of them, from any thread; the engine thread frees their KV blocks before its next step."
+    for i in abort_ids(request_id)[0]: self._send("abort", i)
 
 def _send(self: AsyncLLMEngine, *command):
     "Put a command on the engine thread's queue and wake the thread."

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ENGINE_GC_THRESHOLD', 'RequestMetrics', 'TokenLogprobs', 'PromptLogprobs', 'CompletionOutput', 'RequestOutput',
-           'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'LLM', 'fewer_collections']
+           'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'abort_ids', 'LLM', 'fewer_collections']
 
 # %% ../chapters/11b_engine.ipynb #d4ee404c
 import collections.abc, contextlib, dataclasses, gc, itertools, logging, math, time
@@ -22,7 +22,7 @@ from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplingParams, check_stop, choice_seed, generation_defaults, generation_overrides, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json
+from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json, template_options
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
 @dataclass
@@ -350,15 +350,21 @@ def _record_prompt_logprobs(self: LLMEngine, launched: LaunchedStep):
 LLMEngine._process, LLMEngine._record_prompt_logprobs = _process, _record_prompt_logprobs
 
 # %% ../chapters/11b_engine.ipynb #bf1578ed
+def abort_ids(request_id) -> tuple:
+    """(the ids as strs, whether an iterable named them) of what an abort names: one id, a str or an int as add_request
+    takes them (it keeps str(id)), or an iterable of such ids (vLLM's abort_request takes either)."""
+    many = isinstance(request_id, collections.abc.Iterable) and not isinstance(request_id, str)
+    ids = list(request_id) if many else [request_id]
+    if not all(isinstance(i, str) or (isinstance(i, Integral) and not isinstance(i, bool)) for i in ids):
+        raise ValueError(f"request_id={request_id!r:.80}: expected a request id (a str or an int) or an iterable of them")
+    return [str(i) for i in ids], many
+
 def _abort(self: LLMEngine, request_id):
     """Stop a request in any state and free its KV blocks at once; its final output, or None if it is unknown. Given an
-    iterable of ids (vLLM's abort_request takes either), abort each; the final outputs of those it knew."""
-    if not isinstance(request_id, str):
-        ids = list(request_id) if isinstance(request_id, collections.abc.Iterable) else None
-        if ids is None or not all(isinstance(i, str) for i in ids):
-            raise ValueError(f"request_id={request_id!r:.80}: expected a request id (a str) or an iterable of them")
-        return [out for out in map(self.abort, ids) if out is not None]
-    req = self.requests.pop(request_id, None)
+    iterable of ids, abort each; the final outputs of those it knew."""
+    ids, many = abort_ids(request_id)
+    if many: return [out for out in map(self.abort, ids) if out is not None]
+    req = self.requests.pop(ids[0], None)
     if req is None: return None
     self.scheduler.abort(req.seq.seq_id)
     req.metrics.finished_time = time.monotonic()
@@ -502,7 +508,7 @@ def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, c
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r:.80}: expected a conversation (a non-empty list of messages) or a list of them")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-    options = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template, **(chat_template_kwargs or {})}  # vLLM's merge
+    options = {"chat_template": chat_template, **template_options(add_generation_prompt, chat_template_kwargs)}  # vLLM's merge
     texts = []
     for i, conversation in enumerate(conversations):
         try: texts.append(tok.apply_chat_template(_text_messages(conversation), **options))

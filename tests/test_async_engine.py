@@ -103,6 +103,27 @@ def test_a_request_whose_reader_loop_closed_is_aborted(kind):
 
 
 @pytest.mark.parametrize("kind", [AsyncLLMEngine, EngineProcess])
+def test_abort_takes_an_iterable_of_ids_as_the_engine_does(kind):
+    "Once str(['a', 'b']) was looked up, and nothing aborted."
+    engine = kind.from_options(max_model_len=256, num_kv_blocks=64, device="cpu").start()
+    finished = []
+    engine.on_finished.append(finished.append)
+    loop = asyncio.new_event_loop()
+    try:
+        for request_id in ("a", "b", 7):
+            loop.run_until_complete(engine.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True), request_id))
+        with pytest.raises(ValueError, match="request_id=None"): engine.abort(None)
+        engine.abort(["a", "b"])
+        engine.abort(7)
+        deadline = time.monotonic() + 60
+        while len(finished) < 3 and time.monotonic() < deadline: time.sleep(0.01)
+    finally:
+        engine.shutdown(5)
+        loop.close()
+    assert sorted((out.request_id, out.finish_reason) for out in finished) == [("7", "abort"), ("a", "abort"), ("b", "abort")]
+
+
+@pytest.mark.parametrize("kind", [AsyncLLMEngine, EngineProcess])
 def test_a_second_shutdown_can_end_the_drain_but_never_extend_it(kind):
     "What a server's second Ctrl-C does: shutdown(0) during a long drain aborts what still runs, now."
     import threading

@@ -401,6 +401,9 @@ def test_chat_renders_each_conversation_with_the_template_as_vllm(default_llm):
         default_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], greedy, use_tqdm=False)
     bare = default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
     assert bare.prompt == tok.apply_chat_template(conversations[0], add_generation_prompt=False)  # merged over the argument
+    for kwargs, message in [({"messages": []}, "may not set messages"), ({"template": "x", "tokenize": True}, "may not set template, tokenize"),
+                            ([("a", 1)], "expected a dict of template variables")]:  # once TypeErrors, or a confusing ValueError
+        with pytest.raises(ValueError, match=message): default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template_kwargs=kwargs)
     plain = default_llm.chat(conversations[0], greedy, use_tqdm=False, chat_template="{{ messages[0].content }}")[0]
     assert plain.prompt == "What is the capital of France?" == default_llm.generate(plain.prompt, greedy, use_tqdm=False)[0].prompt
     with pytest.raises(ValueError, match="has no tokenizer, so no chat template"):
@@ -424,15 +427,17 @@ def test_max_tokens_is_cut_to_max_model_len_as_vllm_does():
 
 
 def test_abort_takes_one_id_or_an_iterable_of_them():
-    "vLLM's abort_request: a str or an iterable of str; anything else is refused, not looked up as str(list)."
+    "vLLM's abort_request: an id or an iterable of ids; anything else is refused, not looked up as str(list)."
     engine = LLMEngine(tiny_model_dir("llama"), num_kv_blocks=32, device="cpu")
     for request_id in "abc": engine.add_request(request_id, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert [o.request_id for o in engine.abort(["a", "b", "never"])] == ["a", "b"]
     assert [o.request_id for o in engine.abort(iter(["c"]))] == ["c"] and not engine.has_unfinished()
-    for bad in [5, None, ["a", 5], [["a"]]]:
-        with pytest.raises(ValueError, match="expected a request id \\(a str\\) or an iterable of them"): engine.abort(bad)
+    for bad in [None, 1.5, True, ["a", None], [["a"]]]:
+        with pytest.raises(ValueError, match="expected a request id \\(a str or an int\\) or an iterable of them"): engine.abort(bad)
     assert engine.abort([]) == [] and engine.abort("a") is None
+    engine.add_request(7, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))  # kept as "7"
+    assert engine.abort(7).request_id == "7" and not engine.has_unfinished()  # as add_request took it
 
 
 def test_engine_step_abort_and_metrics():

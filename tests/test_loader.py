@@ -7,7 +7,7 @@ from nanoserve.loader import (DEFAULT_MODEL, convert_gguf, default_gguf_path, de
 from nanoserve.testing import hf_default_model, hf_default_model_dir, hf_model, save_tiny_model, tiny_model_dir
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_load_model_matches_transformers(arch):
     ours, hf = load_model(tiny_model_dir(arch)), hf_model(tiny_model_dir(arch))
     ids = torch.randint(0, 512, (33,), generator=torch.Generator().manual_seed(3))
@@ -186,3 +186,27 @@ def test_default_model_is_cached_under_nanoserve_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "convert_gguf", lambda src, out: (out.mkdir(parents=True), (out / "config.json").write_text("{}"), out)[-1])
     assert resolve_model(None) == tmp_path / "models" / DEFAULT_MODEL
     assert resolve_model("default") == resolve_model(DEFAULT_MODEL) == tmp_path / "models" / DEFAULT_MODEL
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_hub_checkpoint_downloads_the_weights_its_index_names_and_no_other_copy(tmp_path, monkeypatch, sharded):
+    "A Mistral repo holds its weights twice: the shards of model.safetensors.index.json, and consolidated.safetensors."
+    import fnmatch, huggingface_hub
+    repo = tmp_path / "repo"
+    if sharded:
+        save_tiny_model("mistral", repo)
+        shutil.copy(repo / "model.safetensors", repo / "consolidated.safetensors")  # the other runtime's copy
+        (repo / "model.safetensors").rename(repo / "model-00001-of-00001.safetensors")
+        (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors"}}))
+    else: save_tiny_model("qwen2", repo)
+    fetched, local = [], tmp_path / "snapshot"
+    def snapshot_download(repo_id, allow_patterns):  # the hub, offline: copy the files the patterns match
+        for f in repo.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns) and not (local / f.name).exists():
+                local.mkdir(exist_ok=True); shutil.copy(f, local / f.name); fetched.append(f.name)
+        return str(local)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert loader.resolve_model("org/name") == local
+    weights = sorted(f for f in fetched if f.endswith(".safetensors"))
+    assert weights == (["model-00001-of-00001.safetensors"] if sharded else ["model.safetensors"])
+    assert "config.json" in fetched

@@ -62,7 +62,7 @@ def test_config_defaults_and_qwen3_flags():
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size=0"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0: expected a positive integer or null"),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": "4k"}, "sliding_window='4k'"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 0, "sliding_window": "4k"}, "sliding_window='4k'"),
     ({"num_key_value_heads": 0}, "num_key_value_heads=0"),  # once read as "absent", so as many as the query heads
     ({"hidden_size": True}, "hidden_size=True"),
     ({"num_attention_heads": 0}, "num_attention_heads=0"),  # once a ZeroDivisionError
@@ -187,8 +187,12 @@ def test_sliding_window_keys_are_read_as_transformers_reads_them():
     assert context("MistralForCausalLM") == 4096  # transformers' default window
     assert context("MistralForCausalLM", sliding_window=None) == 32768  # Mistral 7B v0.3: none
     assert context("Qwen2ForCausalLM", sliding_window=4096) == 32768  # the key alone: use_sliding_window is false
-    assert context("Qwen2ForCausalLM", sliding_window=4096, layer_types=["full_attention", "sliding_attention"]) == 4096
-    assert context("Qwen2ForCausalLM", use_sliding_window=True) == 4096
+    assert context("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1) == 4096  # layer 1 slides, 4096 wide
+    assert context("Qwen2ForCausalLM", use_sliding_window=True) == 32768  # max_window_layers=28: no layer of 2 slides
+    assert context("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == 64
+    assert context("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 2) == 32768
+    # transformers nulls the window without use_sliding_window (then its forward fails on a layer typed sliding_attention)
+    assert context("Qwen2ForCausalLM", sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == 32768
     assert context("LlamaForCausalLM", sliding_window=4096) == 32768  # Llama has none
 
 

@@ -829,7 +829,7 @@ VLLM_REFUSED = {"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs
 
 def test_vllm_fields_that_nanoserve_does_not_honour_are_refused_by_name_unless_at_their_defaults(url):
     chat_only = {"echo": True, "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"text": "a"}],
-                 "structural_tag": "{}", "chat_template_kwargs": {"add_generation_prompt": False}}
+                 "structural_tag": "{}", "chat_template_kwargs": {"tools": [{"type": "function"}]}}
     for path, base, fields in ((C, {"prompt": "hi"}, {**VLLM_REFUSED, "prompt_embeds": "AAAA"}),
                                (CHAT_PATH, {"messages": CHAT}, {**VLLM_REFUSED, **chat_only})):
         for name, value in fields.items():
@@ -854,6 +854,13 @@ def test_a_chat_without_the_generation_prompt_is_the_conversation_as_rendered(ur
     want = reference["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert r["usage"]["prompt_tokens"] == len(ids) < len(reference["chat"].prompt_token_ids)
     assert r["choices"][0]["message"]["content"] == want.text
+    merged = {"model": MODEL, "messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}  # vLLM's merge: it wins
+    assert httpx.post(f"{url}/tokenize", json=merged, timeout=60).json()["tokens"] == ids
+    r = httpx.post(f"{url}{CHAT_PATH}", json={**merged, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    for name in ("messages", "tokenize", "template", "chat_template"):  # the renderer's own arguments: a 400, not a TypeError's 500
+        r = httpx.post(f"{url}{CHAT_PATH}", json={**merged, "chat_template_kwargs": {name: 1}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (name, r.text)
 
 
 def test_a_list_of_prompts_of_two_kinds_is_refused_as_such():
@@ -868,6 +875,9 @@ def test_null_means_the_default(url):
                        (CHAT_PATH, {"messages": CHAT, "n": None, "stream": None, "logprobs": None})):
         r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 1, **body}, timeout=60)
         assert r.status_code == 200, r.text
+    from nanoserve.protocol import CompletionRequest
+    options = CompletionRequest(prompt="hi", stream=True, stream_options={"include_usage": None, "continuous_usage_stats": None}).stream_options
+    assert (options.include_usage, options.continuous_usage_stats) == (True, False)  # vLLM's defaults
 
 
 def test_an_assistant_turn_without_content_is_accepted(url):

@@ -502,3 +502,17 @@ def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
                                                     tokenizers.decoders.Fuse()])
     tok = Tokenizer(backend)
     assert [tok.token_bytes(i) for i in range(3)] == [b"\xf0", b"\x9f", b" hi"]
+
+
+@pytest.mark.parametrize("decoder", [tokenizers.decoders.Metaspace(),  # and Llama 2's and Mistral's, which strips a leading space
+                                     tokenizers.decoders.Sequence([tokenizers.decoders.Replace("\u2581", " "), tokenizers.decoders.ByteFallback(),
+                                                                   tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])])
+def test_token_bytes_keep_the_space_a_sentencepiece_decoder_strips_from_a_lone_token(decoder):
+    from nanoserve.protocol import token_text
+    sp = tokenizers.Tokenizer(tokenizers.models.WordLevel({"\u2581Paris": 0, "\u2581is": 1, "!": 2}, unk_token="!"))
+    sp.decoder = decoder
+    tok = Tokenizer(sp)
+    assert tok.space_marker == "\u2581" and tok.decode([1]) == "is"  # the trap: decoded alone, the space is gone
+    assert [tok.token_bytes(i) for i in range(3)] == [b" Paris", b" is", b"!"]
+    assert [token_text(tok, i) for i in range(3)] == [" Paris", " is", "!"]  # the names in log probabilities
+    assert "".join(token_text(tok, i) for i in [1, 2]) == tok.decode([0, 1, 2])[len(tok.decode([0])):]  # they add up to the text
