@@ -23,8 +23,8 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwe
                            "MistralForCausalLM": "mistral"}
 ARCHITECTURE_DEFAULTS = {  # what transformers assumes when config.json leaves a key out (Llama: head_dim E / H, K = H)
     "llama": {"max_position_embeddings": 2048},
-    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
     "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
 }
 
@@ -90,12 +90,13 @@ def _rope(d: dict) -> tuple:
 
 def _sliding_window(d: dict, family: str) -> int | None:
     "The window some layer's attention is limited to, as transformers reads the config dict; None if no layer has one."
-    if family == "mistral": window = d.get("sliding_window", ARCHITECTURE_DEFAULTS["mistral"]["sliding_window"])  # every layer
+    defaults = ARCHITECTURE_DEFAULTS[family]
+    if family == "mistral": window = d.get("sliding_window", defaults["sliding_window"])  # every layer
     elif family in ("qwen2", "qwen3") and d.get("use_sliding_window"):  # without it Qwen's sliding_window means nothing
         types = d.get("layer_types")  # else the layers from max_window_layers on slide
-        sliding = "sliding_attention" in types if types else d.get("max_window_layers", 28) < d.get("num_hidden_layers", 0)
+        sliding = "sliding_attention" in types if types else d.get("max_window_layers", defaults["max_window_layers"]) < d.get("num_hidden_layers", 0)
         if not sliding: return None
-        window = d.get("sliding_window", 4096)
+        window = d.get("sliding_window", defaults["sliding_window"])
     else: return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r}: expected a positive integer or null")

@@ -176,6 +176,7 @@ class Tokenizer:
         self.special_ids = frozenset(self.all_special_ids)  # for membership tests, once
         self.added_ids = frozenset(backend.get_added_tokens_decoder())  # tokens kept as their text
         self.space_marker = space_marker(backend.decoder)  # SentencePiece's "\u2581", or None
+        self.byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)  # read once: token_bytes names every logprob
 
     def token_to_id(self, token: str | None) -> int | None:
         "The id of one token string, None if it is not in the vocabulary."
@@ -198,8 +199,9 @@ class Tokenizer:
         token = self.backend.id_to_token(token_id)
         if token is None: raise ValueError(f"token_id={token_id!r}: not in this tokenizer's vocabulary of {self.vocab_size}")
         if token_id in self.added_ids: return token.encode()  # added tokens are kept as text
-        if isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel) and all(c in BYTE_LEVEL for c in token):
-            return bytes(BYTE_LEVEL[c] for c in token)  # every byte is written as one printable character
+        if self.byte_level:  # every byte is written as one printable character
+            try: return bytes(map(BYTE_LEVEL.__getitem__, token))
+            except KeyError: pass  # a character outside the byte alphabet: not a byte-level token
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece's byte fallback: <0xF0>
             return bytes([int(token[3:5], 16)])
         if self.space_marker: return token.replace(self.space_marker, " ").encode()  # "\u2581Paris": " Paris", not "Paris"
