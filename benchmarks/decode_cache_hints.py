@@ -36,7 +36,7 @@ def evict_first_kernels():
     if src.count(KV_LOAD) != 2: sys.exit(f"expected two loads ending {KV_LOAD!r} in {kernels.__file__}")
     src = src.replace(KV_LOAD, 'mask=mask, other=0.0, eviction_policy="evict_first")')
     path = Path(tempfile.mkdtemp()) / "kernels_evict_first.py"  # Triton reads a kernel's source from its file
-    path.write_text(src.replace("from .paged_cache import", "from nanoserve.paged_cache import"))
+    path.write_text(src.replace("from .", "from nanoserve."))  # the package's relative imports, absolute
     spec = importlib.util.spec_from_file_location("kernels_evict_first", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -31,11 +31,11 @@ class KVCache:
 
     def __getitem__(self, layer: int):
         "The attend function of one layer: store this step's keys and values, attend over all stored."
-        def attend(q, k, v, scale):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
+        def attend(q, k, v, scale, window=None):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
             start, end = self.length, self.length + len(k)
             if end > self.max_len: raise ValueError(f"KV cache full: {end} positions > max_len={self.max_len}")
             self.k[layer, start:end], self.v[layer, start:end] = k, v
-            return causal_attention(q, self.k[layer, :end], self.v[layer, :end], scale)
+            return causal_attention(q, self.k[layer, :end], self.v[layer, :end], scale, window)
         return attend
 
 # %% ../chapters/07_kv_cache.ipynb #b81bbdc6

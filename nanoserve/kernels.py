@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import check_window
 from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, check_slots, check_tables
 
 # %% ../chapters/09_paged_attention.ipynb #f0c1a330
@@ -192,13 +193,17 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, n, n_mask, head_offset, 
 
 # %% ../chapters/09_paged_attention.ipynb #7dc38e7c
 @triton.jit
-def _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION: tl.constexpr):
-    "Fold one tile of keys k and values v (N, D) into the running output acc (M, D), max m_i and sum l_i (M,) of queries q (M, D)."
+def _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION: tl.constexpr, MAY_SEE_NONE: tl.constexpr = False):
+    """Fold one tile of keys k and values v (N, D) into the running output acc (M, D), max m_i and sum l_i (M,) of queries q (M, D).
+    MAY_SEE_NONE: a row may have seen no valid key yet (a sliding window), so its maximum is still -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N) scores, in log2 units
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)  # (M,) moves the old sums to the new maximum
-    p = tl.exp2(s - m_new[:, None])  # (M, N)
+    m_ref = m_new
+    if MAY_SEE_NONE:  # exp2(-inf - -inf) is NaN: such a row keeps its zeros
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)  # (M,) moves the old sums to the new maximum
+    p = tl.exp2(s - m_ref[:, None])  # (M, N)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -218,18 +223,21 @@ def _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                   num_splits,
+                   num_splits, window,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr):
     _follow_early(PDL)
     kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a sequence's KV heads are launched side by side
     S = tl.load(lens_ptr + b)
-    split_len = ((S + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(S / splits), in whole tiles
-    start = split * split_len
+    lo = 0  # the first position the query sees: all of them, or the last `window`
+    if WINDOWED:
+        lo = tl.maximum(S - window, 0)
+    split_len = ((S - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(seen / splits), in whole tiles
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
     offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     heads = kh * G + offs_g  # (G,) the query heads that share KV head kh (rows past G are padding)
@@ -295,7 +303,8 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
                            context_lens: torch.Tensor,  # (B,) int32: positions of each sequence, the new one included
                            scale: float,
                            num_splits: int | None = None,  # splits per context; None: choose_num_splits
-                           out: torch.Tensor | None = None) -> torch.Tensor:  # -> (B, H, D)
+                           out: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:  # -> (B, H, D); window: a sliding window (chapter 3)
     "Attention of each sequence's one new query over its whole context, read through its block table (Triton)."
     block_size, K, D = _check_cache(k_cache, v_cache)
     G = _check_q(q, k_cache.dtype, K, D)
@@ -307,9 +316,11 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     out = _output(out, q)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens, out=out)
     _check_scale(scale)
+    check_window(window)
     _check_values(k_cache, block_tables, context_lens)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, K, block_tables.shape[1] * block_size, _num_sms(q.device))
+    if num_splits is None:  # the longest context the tables hold, or the window if it is shorter
+        seen = min(block_tables.shape[1] * block_size, window or math.inf)
+        num_splits = choose_num_splits(B, K, seen, _num_sms(q.device))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
     if B == 0: return out
@@ -325,10 +336,11 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     _decode_kernel[(K, B, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_m, part_l,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits, window or 0,
         H=H, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
+        PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
+        WINDOWED=window is not None)
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
                                       H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
@@ -336,11 +348,12 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #ebccc42a
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, window,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    WINDOWED: tl.constexpr):
     tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
@@ -360,17 +373,25 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     first = S - q_len + tile * BLOCK_M  # position of the tile's first query
     hi = tl.minimum(first + BLOCK_M, S)  # one past the last key any query of the tile sees
     diag = first // BLOCK_N * BLOCK_N  # key tiles before this one are visible to every query of the tile
-    for n0 in range(0, diag, BLOCK_N):  # full tiles: no mask
+    lo = 0  # ... or, with a sliding window, from the tile holding the first key the tile's first query sees
+    if WINDOWED:
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, diag, BLOCK_N):  # tiles before the diagonal: no causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
                              stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
-        acc, m_i, l_i = _online_softmax_step(q, k, v, True, acc, m_i, l_i, qk_scale, PRECISION)
+        valid = True
+        if WINDOWED:  # keys that fell out of a query's window
+            valid = n[None, :] > pos[:, None] - window
+        acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION, WINDOWED)
     for n0 in range(diag, hi, BLOCK_N):  # tiles on the diagonal: causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
                              stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
         valid = (n[None, :] <= pos[:, None]) & (n < hi)[None, :]
-        acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION)
+        if WINDOWED:
+            valid = valid & (n[None, :] > pos[:, None] - window)
+        acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION, WINDOWED)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=md_mask)
@@ -383,7 +404,8 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
                             cu_seqlens_q: torch.Tensor,  # (B+1,) int32: sequence b's queries are rows cu[b]:cu[b+1]
                             scale: float,
                             max_seqlen_q: int | None = None,  # the longest query length; None: read from cu_seqlens_q
-                            out: torch.Tensor | None = None) -> torch.Tensor:  # -> (T, H, D)
+                            out: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:  # -> (T, H, D); window: a sliding window (chapter 3)
     "Causal attention of each sequence's new queries, the last of its context, over the paged cache (Triton)."
     block_size, K, D = _check_cache(k_cache, v_cache)
     G = _check_q(q, k_cache.dtype, K, D)
@@ -398,6 +420,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens,
                    cu_seqlens_q=cu_seqlens_q, out=out)
     _check_scale(scale)
+    check_window(window)
     if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
         raise ValueError(f"max_seqlen_q={max_seqlen_q!r}: expected None or an integer >= 0, the longest query")
     _check_values(k_cache, block_tables, context_lens, cu_seqlens_q, T, max_seqlen_q)
@@ -409,10 +432,10 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), window or 0,
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None)
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #4920fc9b
@@ -420,10 +443,10 @@ class TritonPagedAttention(PagedAttention):
     "Chapter 8b's attention seam with the Triton kernels: `[layer]` stores by slot, then runs decode or prefill attention."
     def __getitem__(self, layer: int):
         m, k_cache, v_cache = self.metadata, self.cache.k[layer], self.cache.v[layer]
-        def attend(q, k, v, scale):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
+        def attend(q, k, v, scale, window=None):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
             store_kv(k, v, k_cache, v_cache, m.slot_mapping)  # every token first, as chapter 8b's seam does (10b relies on it)
             if len(q) == len(m.context_lens):  # one new token per sequence: decode
-                return paged_decode_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, scale)
+                return paged_decode_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, scale, window=window)
             return paged_prefill_attention(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale,
-                                           m.max_seqlen_q)  # from the host: reading it off the GPU would wait for the GPU, every layer
+                                           m.max_seqlen_q, window=window)  # from the host: reading it off the GPU would wait for the GPU, every layer
         return attend

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import Attention, causal_attention
+from .attention import Attention, causal_attention, check_window
 from .mlp import MLP
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -42,7 +42,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # e.g. llama3 frequency scaling
-    max_position_embeddings: int = 2048  # the longest sequence, cut to a sliding window if the checkpoint has one
+    max_position_embeddings: int = 2048  # the longest sequence
     tie_word_embeddings: bool = False
     attention_bias: bool = False # a bias on q, k, v and o (Llama, Qwen3)
     qkv_bias: bool = False       # a bias on q, k and v only (Qwen2)
@@ -52,6 +52,8 @@ class ModelConfig:
     torch_dtype: str = "float32" # the dtype the checkpoint was saved in
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
+    sliding_window: int | None = None  # W: a query of a sliding layer sees the last W positions, its own included
+    sliding_layers: tuple = ()   # the layers whose attention slides (Mistral v0.1: all; Qwen: from max_window_layers on)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -63,9 +65,18 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive integer")
         if self.hidden_act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: the MLP computes silu(gate) * up")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError(f"sliding_layers={self.sliding_layers} need a sliding_window")
+        check_window(self.sliding_window)
+        if any(not isinstance(i, int) or not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers={self.sliding_layers}: expected layer indices below num_hidden_layers={self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    def window(self, layer: int) -> int | None:
+        "The sliding window of layer `layer`'s attention; None: it sees every earlier position."
+        return self.sliding_window if layer in self.sliding_layers else None
 
 # %% ../chapters/05a_model.ipynb #58895737
 def _architecture(d: dict) -> str:
@@ -88,19 +99,23 @@ def _rope(d: dict) -> tuple:
     if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"): scaling = None
     return float(theta), scaling
 
-def _sliding_window(d: dict, family: str) -> int | None:
-    "The window some layer's attention is limited to, as transformers reads the config dict; None if no layer has one."
-    defaults = ARCHITECTURE_DEFAULTS[family]
-    if family == "mistral": window = d.get("sliding_window", defaults["sliding_window"])  # every layer
+def _sliding_window(d: dict, family: str) -> tuple:
+    "(window, layers): the sliding window and the layers it applies to, as transformers reads the config dict; (None, ()) if none."
+    defaults, num_layers = ARCHITECTURE_DEFAULTS[family], d["num_hidden_layers"]
+    if not isinstance(num_layers, int): num_layers = 0  # a bad count: __post_init__ names it
+    if family == "mistral":  # every layer
+        window, layers = d.get("sliding_window", defaults["sliding_window"]), range(num_layers)
     elif family in ("qwen2", "qwen3") and d.get("use_sliding_window"):  # without it Qwen's sliding_window means nothing
-        types = d.get("layer_types")  # else the layers from max_window_layers on slide
-        sliding = "sliding_attention" in types if types else d.get("max_window_layers", defaults["max_window_layers"]) < d.get("num_hidden_layers", 0)
-        if not sliding: return None
-        window = d.get("sliding_window", defaults["sliding_window"])
-    else: return None
+        window, types = d.get("sliding_window", defaults["sliding_window"]), d.get("layer_types")
+        if types is not None and (not isinstance(types, list) or len(types) != num_layers):
+            raise ValueError(f"layer_types={types!r}: expected a list of num_hidden_layers={num_layers} names")
+        first = d.get("max_window_layers", defaults["max_window_layers"])  # without layer_types: the layers from it on
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"] if types else range(first, num_layers)
+    else: return None, ()
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r}: expected a positive integer or null")
-    return window
+    layers = tuple(layers) if window is not None else ()
+    return (window, layers) if layers else (None, ())
 
 # %% ../chapters/05a_model.ipynb #192c2357
 @classmethod
@@ -119,8 +134,7 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     heads, kv_heads = d["num_attention_heads"], given("num_key_value_heads")
     divisible = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
     context = defaults["max_position_embeddings"] if d.get("max_position_embeddings") is None else d["max_position_embeddings"]
-    window = _sliding_window(d, family)
-    if window is not None and isinstance(context, int): context = min(context, window)  # full attention is exact up to it
+    window, sliding_layers = _sliding_window(d, family)
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # null: no GQA
@@ -132,7 +146,8 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
                hidden_act=d.get("hidden_act") or "silu",
                qk_norm=family == "qwen3",
                torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-               bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"))
+               bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+               sliding_window=window, sliding_layers=sliding_layers)
 
 @classmethod
 def _from_json(cls, path) -> "ModelConfig":
@@ -149,12 +164,12 @@ ModelConfig.from_dict, ModelConfig.from_json = _from_dict, _from_json
 # %% ../chapters/05a_model.ipynb #db9c4d8e
 class DecoderLayer(nn.Module):
     "One pre-norm transformer block: attention and MLP, each as a residual branch."
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):  # layer: its index, which decides a sliding window
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                    cfg.head_dim, qk_norm=cfg.qk_norm, rms_norm_eps=cfg.rms_norm_eps,
-                                   bias=cfg.attention_bias, qkv_bias=cfg.qkv_bias)
+                                   bias=cfg.attention_bias, qkv_bias=cfg.qkv_bias, window=cfg.window(layer))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
@@ -168,7 +183,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 

@@ -141,7 +141,8 @@ def paged_attention_ref(q: torch.Tensor,  # (T, H, D): the new queries of all se
                         block_tables: torch.Tensor,  # (B, max_blocks) int32, padded with -1 or 0
                         context_lens: torch.Tensor,  # (B,) int32: positions of each sequence, cached and new
                         cu_seqlens_q: torch.Tensor,  # (B+1,) int32: sequence b's queries are rows cu[b]:cu[b+1]
-                        scale: float) -> torch.Tensor:  # -> (T, H, D)
+                        scale: float,
+                        window: int | None = None) -> torch.Tensor:  # -> (T, H, D); window: a sliding window (chapter 3)
     "Causal attention of each sequence's queries, the last of its context, over keys and values read through its block table."
     B = _check_batch(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
     out, cu, lens = torch.empty_like(q), cu_seqlens_q.tolist(), context_lens.tolist()
@@ -149,7 +150,7 @@ def paged_attention_ref(q: torch.Tensor,  # (T, H, D): the new queries of all se
         if cu[b] == cu[b + 1]: continue  # no queries for this sequence in this step
         k = gather_kv(k_cache, block_tables[b], lens[b]).float()  # (S, K, D)
         v = gather_kv(v_cache, block_tables[b], lens[b]).float()
-        out[cu[b]:cu[b + 1]] = causal_attention(q[cu[b]:cu[b + 1]].float(), k, v, scale).to(q.dtype)
+        out[cu[b]:cu[b + 1]] = causal_attention(q[cu[b]:cu[b + 1]].float(), k, v, scale, window).to(q.dtype)
     return out
 
 # %% ../chapters/08b_paged_cache.ipynb #7795b509
@@ -195,11 +196,11 @@ class PagedAttention:
 
     def __getitem__(self, layer: int):
         m, k_cache, v_cache = self.metadata, self.cache.k[layer], self.cache.v[layer]
-        def attend(q, k, v, scale):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
+        def attend(q, k, v, scale, window=None):  # q (T, H, D), k/v (T, K, D) -> (T, H, D)
             # all T tokens are stored before any query attends: a sequence may read blocks that another one of the
             # same step fills (chapter 10b names a step's blocks as it is scheduled)
             store_kv_ref(k, v, k_cache, v_cache, m.slot_mapping)
-            return paged_attention_ref(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale)
+            return paged_attention_ref(q, k_cache, v_cache, m.block_tables, m.context_lens, m.cu_seqlens_q, scale, window)
         return attend
 
 # %% ../chapters/08b_paged_cache.ipynb #83aeb015

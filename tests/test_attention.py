@@ -2,7 +2,7 @@ import pytest, torch
 import torch.nn.functional as F
 import nanoserve.attention as attention_module
 from nanoserve.attention import (Attention, causal_attention, causal_attention_naive, causal_attention_weights,
-                                 kv_cache_bytes_per_token)
+                                 kv_cache_bytes_per_token, visible_keys)
 from nanoserve.testing import capture, hf_default_model, hf_model, tiny_hf_model, tiny_model_dir
 
 ATTENTIONS = [causal_attention_naive, causal_attention]
@@ -23,6 +23,41 @@ def test_fused_matches_naive(T, H, K):
     out = causal_attention(q, k, v, 0.3)
     assert out.shape == (T, H, 16)
     torch.testing.assert_close(out, causal_attention_naive(q, k, v, 0.3), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("T,S,window", [(10, 10, 3), (4, 10, 3), (1, 10, 3), (10, 10, 1), (10, 10, 10), (4, 10, 20), (1, 10, 10)])
+def test_a_sliding_window_is_attention_over_the_last_window_keys(T, S, window):
+    q, k, v = qkv(S, 9, 3, 16, seed=T + window)
+    q = q[-T:]  # the last T of S positions: prefill when T == S, decode when T == 1
+    for f in ATTENTIONS:
+        out = f(q, k, v, 0.3, window)
+        for t in range(T):  # query t (position S - T + t) equals plain attention over keys S - T + t - window + 1 ... S - T + t
+            pos = S - T + t
+            first = max(0, pos - window + 1)
+            torch.testing.assert_close(out[t], causal_attention(q[t:t + 1], k[first:pos + 1], v[first:pos + 1], 0.3)[0],
+                                       atol=1e-5, rtol=0, msg=f"{f.__name__} t={t}")
+    if window < S: assert (causal_attention(q, k, v, 0.3, window) - causal_attention(q, k, v, 0.3)).abs().max() > 1e-3
+
+
+def test_visible_keys_and_bad_windows():
+    assert visible_keys(3, 5, 2).int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert visible_keys(3, 5).int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    q, k, v = qkv(5, 4, 2, 8)
+    for window in (0, -1, 1.5, True, "4"):
+        for f in ATTENTIONS:
+            with pytest.raises(ValueError, match="window="): f(q, k, v, 0.3, window)
+        with pytest.raises(ValueError, match="window="): Attention(32, 4, 2, 8, window=window)
+
+
+def test_the_layer_hands_its_window_to_attend():
+    seen = []
+    def attend(q, k, v, scale, window=None):
+        seen.append(window)
+        return causal_attention(q, k, v, scale, window)
+    x, cos, sin = torch.randn(6, 32), torch.ones(6, 8), torch.zeros(6, 8)
+    for window in (None, 3):
+        Attention(32, 4, 2, 8, window=window)(x, cos, sin, attend)
+    assert seen == [None, 3]
 
 
 def test_fallback_without_enable_gqa(monkeypatch):

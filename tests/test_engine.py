@@ -110,6 +110,19 @@ def test_tiny_models_batch_equals_transformers(arch):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12, eos_token_id=None) for p in random_prompts()]
 
 
+@pytest.mark.parametrize("arch,window", [("mistral", {"sliding_window": 8}),  # every layer slides
+                                         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})])
+def test_sliding_windows_batch_equals_transformers(arch, window, tmp_path):
+    "Prompts and outputs several windows long: the engine's windowed attention equals transformers', token for token."
+    d, params = save_tiny_model(arch, tmp_path / arch, **window), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = LLM(d, num_kv_blocks=128, device="cpu").generate(random_prompts(), params, use_tqdm=False)
+    hf = hf_model(d)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12, eos_token_id=None) for p in random_prompts()]
+    full = LLM(tiny_model_dir(arch), num_kv_blocks=128, device="cpu").generate(random_prompts(), params, use_tqdm=False)
+    moved = max(abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) for a, b in zip(full, outs))
+    assert moved > 1e-3  # the same weights without the window compute something else
+
+
 def test_one_at_a_time_and_preemption_change_nothing(tiny):
     arch, d = tiny
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -691,6 +704,23 @@ def test_gpu_cuda_graphs_equal_eager_and_transformers(arch):
     assert a == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert graphs.llm_engine.runner.prefill_graphs  # one prompt at a time: the prefill graphs
     assert [graphs.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts] == a
+    hf = hf_model(d).cuda()
+    assert a == [hf_greedy(hf, p, 24, device="cuda", eos_token_id=None) for p in prompts]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("arch,window", [("mistral", {"sliding_window": 8}),
+                                         ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1})])
+def test_gpu_sliding_windows_in_cuda_graphs_equal_eager_and_transformers(arch, window, tmp_path):
+    "The Triton kernels' windows, in decode graphs and prefill graphs, on prompts and outputs several windows long."
+    d, prompts = save_tiny_model(arch, tmp_path / arch, **window), random_prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphs = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024)
+    eager = LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024, enforce_eager=True)
+    a = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    assert a == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert [graphs.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts] == a  # one at a time: prefill graphs
     hf = hf_model(d).cuda()
     assert a == [hf_greedy(hf, p, 24, device="cuda", eos_token_id=None) for p in prompts]
 

@@ -48,21 +48,22 @@ def paged_batch(context_lens, q_lens, H, K, D, block_size, dtype=torch.float32, 
     return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, **i32), cu
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=None):
+def decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=None, window=None):
     "paged_decode_attention into a NaN-poisoned output."
     out = torch.full_like(q, float("nan"))
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, num_splits, out=out)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, num_splits, out=out,
+                                  window=window)
 
 
-def prefill(q, k_cache, v_cache, block_tables, context_lens, cu, max_seqlen_q=None):
+def prefill(q, k_cache, v_cache, block_tables, context_lens, cu, max_seqlen_q=None, window=None):
     "paged_prefill_attention into a NaN-poisoned output."
     out = torch.full_like(q, float("nan"))
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu, q.shape[-1] ** -0.5,
-                                   max_seqlen_q=max_seqlen_q, out=out)
+                                   max_seqlen_q=max_seqlen_q, out=out, window=window)
 
 
-def reference(q, k_cache, v_cache, block_tables, context_lens, cu):
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu, q.shape[-1] ** -0.5)
+def reference(q, k_cache, v_cache, block_tables, context_lens, cu, window=None):
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu, q.shape[-1] ** -0.5, window)
 
 
 def boundary_lens(b):
@@ -200,6 +201,39 @@ def test_prefill_matches_reference(G, D, block_size, dtype):
     torch.testing.assert_close(prefill(*args), reference(*args), **TOL[dtype])
 
 
+# ---- sliding windows (chapter 3): a query sees only the last `window` positions
+
+WINDOWS = [1, 5, 16, 17, 64, 65, 10**6]  # one position, within a block, on and past block and tile boundaries, none cut
+
+
+def test_decode_sliding_window_matches_reference():
+    lens = [1, 5, 16, 17, 64, 65, 100, 200]
+    args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=21)
+    for window in WINDOWS:
+        ref = reference(*args, window=window)
+        for n in (1, 3, None):  # splits divide the window's positions, not the whole context
+            torch.testing.assert_close(decode(*args[:5], num_splits=n, window=window), ref, **TOL[torch.float32],
+                                       msg=f"window {window}, splits {n}")
+    assert (reference(*args, window=16) - reference(*args)).abs().max() > 1e-2  # the window changes the answer
+
+
+def test_prefill_sliding_window_matches_reference():
+    # fresh prompts, continuations after cached blocks (one of more than a 64-query tile), a decode row, no new tokens
+    lens, q_lens = [16, 33, 100, 150, 90, 40], [16, 33, 30, 70, 1, 0]
+    args = paged_batch(lens, q_lens, 4, 2, 64, 16, seed=22)
+    for window in WINDOWS:  # rows that see no key of a whole tile (window 1, 5) must not turn into NaN
+        torch.testing.assert_close(prefill(*args, window=window), reference(*args, window=window), **TOL[torch.float32],
+                                   msg=f"window {window}")
+
+
+def test_window_must_be_a_positive_int():
+    args = paged_batch([20], [1], 4, 2, 64, 16, seed=23)
+    for window in (0, -3, 2.5, True, "16"):
+        with pytest.raises(ValueError, match="window="): decode(*args[:5], window=window)
+        with pytest.raises(ValueError, match="window="): prefill(*args, window=window)
+        with pytest.raises(ValueError, match="window="): reference(*args, window=window)
+
+
 def test_prefill_max_seqlen_q_given_or_read():
     args = paged_batch([40, 70], [40, 66], 4, 2, 64, 16, seed=3)
     torch.testing.assert_close(prefill(*args, max_seqlen_q=66), prefill(*args))
@@ -233,12 +267,15 @@ def test_prefill_with_one_query_equals_decode():
 
 # ---- through the model's attention seam
 
-def test_triton_seam_matches_reference_seam():
-    "Two sequences of the tiny Llama, prefilled together then decoded together, with blocks of 4."
+@pytest.mark.parametrize("arch,window", [("llama", None), ("mistral", 5)])
+def test_triton_seam_matches_reference_seam(arch, window, tmp_path):
+    "Two sequences of a tiny model, prefilled together then decoded together, with blocks of 4; Mistral with a window of 5."
     from nanoserve.block_manager import BlockManager
     from nanoserve.loader import load_model
-    from nanoserve.testing import tiny_model_dir
-    model = load_model(tiny_model_dir("llama"), dtype=torch.float32, device=DEVICE)
+    from nanoserve.testing import save_tiny_model
+    model = load_model(save_tiny_model(arch, tmp_path / arch, sliding_window=window) if window else save_tiny_model(arch, tmp_path / arch),
+                       dtype=torch.float32, device=DEVICE)
+    assert [layer.self_attn.window for layer in model.model.layers] == [window] * model.config.num_hidden_layers
     g = torch.Generator().manual_seed(6)
     seqs = {"a": torch.randint(0, 512, (9,), generator=g), "b": torch.randint(0, 512, (14,), generator=g)}
     logits = {}
@@ -448,6 +485,23 @@ def test_gpu_prefill_real_shapes(shape, block_size):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_sliding_windows_real_shapes(shape):
+    H, K, D = SHAPES[shape]
+    lens, q_lens = [1, 17, 511, 513, 4097, 77, 2500, 1000, 2000], [1, 17, 1, 1, 1, 77, 1, 700, 64]
+    decode_args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=13)
+    prefill_args = paged_batch(lens, q_lens, H, K, D, 16, torch.bfloat16, seed=14)
+    for window in (1, 16, 100, 4096):  # 4096: Mistral 7B v0.1's
+        ref = reference(*decode_args, window=window)
+        for n in (None, 1, 8):
+            torch.testing.assert_close(decode(*decode_args[:5], num_splits=n, window=window), ref, **TOL[torch.bfloat16],
+                                       msg=f"decode, window {window}, splits {n}")
+        torch.testing.assert_close(prefill(*prefill_args, window=window), reference(*prefill_args, window=window),
+                                   **TOL[torch.bfloat16], msg=f"prefill, window {window}")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_blocks_of_256_with_heads_of_256():
     "A large block and a wide head in bf16: the tiles stay within shared memory (they used to grow to the block)."
     lens, q_lens = [1, 300, 700, 256], [1, 300, 50, 1]
@@ -539,7 +593,7 @@ def test_the_evict_first_variant_differs_from_the_kernel_only_in_its_hint():
     variant = benchmark_script("decode_cache_hints").evict_first_kernels()
     source = Path(variant.__file__).read_text()
     assert source.count('eviction_policy="evict_first"') == 2 and "eviction_policy" in inspect.getsource(variant._load_kv_tile.fn)
-    assert source.replace(', eviction_policy="evict_first"', "").replace("from nanoserve.paged_cache", "from .paged_cache") == \
+    assert source.replace(', eviction_policy="evict_first"', "").replace("from nanoserve.", "from .") == \
         Path(kernels.__file__).read_text()
     q, k_cache, v_cache, bt, ctx, _ = paged_batch([1, 15, 16, 17, 40], [1] * 5, 8, 2, 64, 16, torch.float32, seed=16)
     for splits in (None, 1, 3):

@@ -131,9 +131,8 @@ def test_architecture_defaults_follow_transformers():
                             ("Qwen2ForCausalLM", Qwen2Config(**base)), ("MistralForCausalLM", MistralConfig(**base))):
         ours = ModelConfig.from_dict({"architectures": [arch], **base})
         ref_head_dim = getattr(reference, "head_dim", None) or 64 // 32
-        window = getattr(reference, "sliding_window", None) or float("inf")  # Mistral's 4096 cuts its context
-        assert (ours.head_dim, ours.max_position_embeddings, ours.num_key_value_heads) == \
-            (ref_head_dim, min(reference.max_position_embeddings, window), reference.num_key_value_heads), arch
+        assert (ours.head_dim, ours.max_position_embeddings, ours.num_key_value_heads, ours.sliding_window) == \
+            (ref_head_dim, reference.max_position_embeddings, reference.num_key_value_heads, getattr(reference, "sliding_window", None)), arch
     c = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base, "rope_theta": None, "max_position_embeddings": None})
     assert (c.rope_theta, c.max_position_embeddings) == (10000.0, 2048)  # null reads as absent
     given = {"num_key_value_heads": None, "mlp_bias": True}  # transformers: a null K means K = H; Qwen3's MLP has no bias
@@ -163,37 +162,50 @@ def test_wrong_weights_are_caught():
         assert (ours_from_hf(other)(ids) - hf(ids[None]).logits[0]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("arch, overrides, window", [
-    ("mistral", {"sliding_window": 64}, 64),  # Mistral 7B v0.1: every layer
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}, 48),  # Qwen: the layers from 1 on
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 0}, 40),
+@pytest.mark.parametrize("arch, overrides, windows", [
+    ("mistral", {"sliding_window": 16}, [16, 16]),  # Mistral 7B v0.1: every layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, [None, 12]),  # Qwen: from layer 1 on
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 0}, [20, 20]),
 ])
-def test_a_sliding_window_cuts_the_context_to_where_full_attention_is_exact(arch, overrides, window):
-    "Up to `window` positions every key is inside the window: our full attention equals transformers' windowed one; one more and it would not."
+def test_sliding_windows_equal_transformers_past_the_window(arch, overrides, windows):
+    "Each layer gets its window, and over three windows' length our logits equal transformers'; full attention's would not."
     hf = tiny_hf_model(arch, **overrides)
     assert arch == "mistral" or "sliding_attention" in hf.config.layer_types
     ours = ours_from_hf(hf)
-    assert ours.config.max_position_embeddings == window
-    ids = torch.randint(0, 512, (window + 1,), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad(): got, want = ours(ids), hf(ids[None]).logits[0]
-    torch.testing.assert_close(got[:window], want[:window], atol=1e-4, rtol=0)
-    assert (got[window] - want[window]).abs().max() > 1e-3  # the window has let go of the first token: hence the cut
+    assert [layer.self_attn.window for layer in ours.model.layers] == windows
+    assert ours.config.max_position_embeddings == hf.config.max_position_embeddings  # the window cuts no context
+    ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(): got, want, full = ours(ids), hf(ids[None]).logits[0], ours_from_hf(tiny_hf_model(arch))(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    first = min(w for w in windows if w)
+    torch.testing.assert_close(full[:first], want[:first], atol=1e-4, rtol=0)  # up to the window, full attention is the same
+    assert (full[first:] - want[first:]).abs().max() > 1e-3  # past it, the window has let go of the first tokens
 
 
 def test_sliding_window_keys_are_read_as_transformers_reads_them():
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2, "max_position_embeddings": 32768}
-    context = lambda arch, **d: ModelConfig.from_dict({"architectures": [arch], **base, **d}).max_position_embeddings
-    assert context("MistralForCausalLM") == 4096  # transformers' default window
-    assert context("MistralForCausalLM", sliding_window=None) == 32768  # Mistral 7B v0.3: none
-    assert context("Qwen2ForCausalLM", sliding_window=4096) == 32768  # the key alone: use_sliding_window is false
-    assert context("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1) == 4096  # layer 1 slides, 4096 wide
-    assert context("Qwen2ForCausalLM", use_sliding_window=True) == 32768  # max_window_layers=28: no layer of 2 slides
-    assert context("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == 64
-    assert context("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 2) == 32768
+    def windows(arch, **d):
+        c = ModelConfig.from_dict({"architectures": [arch], **base, **d})
+        assert c.max_position_embeddings == 32768  # a window never cuts the context
+        return [c.window(i) for i in range(c.num_hidden_layers)]
+    assert windows("MistralForCausalLM") == [4096, 4096]  # transformers' default window
+    assert windows("MistralForCausalLM", sliding_window=None) == [None, None]  # Mistral 7B v0.3: none
+    assert windows("Qwen2ForCausalLM", sliding_window=4096) == [None, None]  # the key alone: use_sliding_window is false
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=1) == [None, 4096]  # layer 1 slides, 4096 wide
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True) == [None, None]  # max_window_layers=28: no layer of 2 slides
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=64,
+                   layer_types=["sliding_attention", "full_attention"]) == [64, None]  # layer_types decide over max_window_layers
+    assert windows("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 2) == [None, None]
     # transformers nulls the window without use_sliding_window (then its forward fails on a layer typed sliding_attention)
-    assert context("Qwen2ForCausalLM", sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == 32768
-    assert context("LlamaForCausalLM", sliding_window=4096) == 32768  # Llama has none
+    assert windows("Qwen2ForCausalLM", sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == [None, None]
+    assert windows("LlamaForCausalLM", sliding_window=4096) == [None, None]  # Llama has none
+    with pytest.raises(ValueError, match="layer_types="):
+        windows("Qwen2ForCausalLM", use_sliding_window=True, layer_types=["sliding_attention"])  # one name for two layers
+    with pytest.raises(ValueError, match="sliding_layers="):
+        ModelConfig("LlamaForCausalLM", 10, 8, 16, 2, 2, 2, 4, sliding_window=8, sliding_layers=(2,))
+    with pytest.raises(ValueError, match="need a sliding_window"):
+        ModelConfig("LlamaForCausalLM", 10, 8, 16, 2, 2, 2, 4, sliding_layers=(0,))
 
 
 def test_qwen2_has_biases_on_q_k_v_only_whatever_the_config_says():
