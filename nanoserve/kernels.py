@@ -233,9 +233,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
     _follow_early(PDL)
     kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a sequence's KV heads are launched side by side
     S = tl.load(lens_ptr + b)
-    lo = 0  # the first position the query sees: all of them, or the last `window`
-    if WINDOWED:
-        lo = tl.maximum(S - window, 0)
+    lo = 0  # where the range starts: position 0, or the tile that holds the window's first position
+    if WINDOWED:  # (a whole tile: tiles that start on multiples of BLOCK_N keep their loads aligned)
+        lo = tl.maximum(S - window, 0) // BLOCK_N * BLOCK_N
     split_len = ((S - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(seen / splits), in whole tiles
     start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
@@ -254,7 +254,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
         n_mask = n < end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_ptr + b * stride_bt, n, n_mask, kh * stride_ch,
                              offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
-        acc, m_i, l_i = _online_softmax_step(q, k, v, n_mask[None, :], acc, m_i, l_i, qk_scale, PRECISION)
+        valid = n_mask
+        if WINDOWED:  # the first tile may begin before the window
+            valid = n_mask & (n >= S - window)
+        acc, m_i, l_i = _online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PRECISION)
     _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
