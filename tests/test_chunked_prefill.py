@@ -10,7 +10,7 @@ from nanoserve.block_manager import BlockManager, blocks_needed
 from nanoserve.model_runner import EngineConfig, prepare_inputs, scheduler_config
 from nanoserve.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence, SequenceStatus
-from nanoserve.testing import tiny_model_dir
+from nanoserve.testing import save_tiny_model, tiny_model_dir
 
 
 def chunked(budget, max_model_len=256, max_num_seqs=4):
@@ -261,9 +261,11 @@ def long_prompts():
            [torch.randint(0, 512, (n,), generator=g).tolist() for n in (120, 3)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_outputs_equal_with_and_without_chunks(arch):
-    d, prompts = tiny_model_dir(arch), long_prompts()
+@pytest.mark.parametrize("arch,window", [("llama", None), ("qwen3", None), ("mistral", 24)])  # Mistral: every layer slides
+def test_engine_outputs_equal_with_and_without_chunks(arch, window, tmp_path):
+    "Chunks, preemption and cached prefixes (the prompts share 40 tokens) change no output, with a sliding window too."
+    d = save_tiny_model(arch, tmp_path / arch, sliding_window=window) if window else tiny_model_dir(arch)
+    prompts = long_prompts()
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)] * 5 + \
              [SamplingParams(temperature=0.9, seed=s, max_tokens=20, ignore_eos=True) for s in (1, 2)]
     whole = LLM(d, device="cpu", num_kv_blocks=128, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
