@@ -66,7 +66,6 @@ def causal_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     probs = causal_attention_weights(q, k, scale, window).to(v.dtype)  # (H, T, S)
     return torch.einsum("hts,shd->thd", probs, v.repeat_interleave(G, dim=1))  # (T, H, D)
 
-
 # %% ../chapters/03_attention.ipynb #b60f25c7
 _SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=...) arrived in 2.5
 
@@ -84,7 +83,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     gqa = {"enable_gqa": G > 1} if _SDPA_GQA else {}
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S == T > 1, scale=scale, **gqa)
     return out[0].transpose(0, 1)  # (T, H, D)
-
 
 # %% ../chapters/03_attention.ipynb #d35d4f84
 class Attention(nn.Module):

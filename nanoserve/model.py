@@ -110,6 +110,8 @@ def _sliding_window(d: dict, family: str) -> tuple:
         if types is not None and (not isinstance(types, list) or len(types) != num_layers):
             raise ValueError(f"layer_types={types!r}: expected a list of num_hidden_layers={num_layers} names")
         first = d.get("max_window_layers", defaults["max_window_layers"])  # without layer_types: the layers from it on
+        if not types and (isinstance(first, bool) or not isinstance(first, int)):
+            raise ValueError(f"max_window_layers={first!r}: expected an integer")
         layers = [i for i, t in enumerate(types) if t == "sliding_attention"] if types else range(first, num_layers)
     else: return None, ()
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -135,6 +137,7 @@ def _from_dict(cls, d: dict) -> "ModelConfig":
     divisible = all(isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0 for k in ("hidden_size", "num_attention_heads"))
     context = defaults["max_position_embeddings"] if d.get("max_position_embeddings") is None else d["max_position_embeddings"]
     window, sliding_layers = _sliding_window(d, family)
+    if window is not None and isinstance(context, int) and window >= context: window, sliding_layers = None, ()  # it drops no key
     return cls(architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                num_attention_heads=heads, num_key_value_heads=heads if kv_heads is None else kv_heads,  # null: no GQA

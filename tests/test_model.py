@@ -200,6 +200,9 @@ def test_sliding_window_keys_are_read_as_transformers_reads_them():
     # transformers nulls the window without use_sliding_window (then its forward fails on a layer typed sliding_attention)
     assert windows("Qwen2ForCausalLM", sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == [None, None]
     assert windows("LlamaForCausalLM", sliding_window=4096) == [None, None]  # Llama has none
+    assert windows("MistralForCausalLM", sliding_window=32768) == [None, None]  # a window as long as the context drops nothing
+    with pytest.raises(ValueError, match="max_window_layers='2'"):
+        windows("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers="2")
     with pytest.raises(ValueError, match="layer_types="):
         windows("Qwen2ForCausalLM", use_sliding_window=True, layer_types=["sliding_attention"])  # one name for two layers
     with pytest.raises(ValueError, match="sliding_layers="):
