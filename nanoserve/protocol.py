@@ -275,8 +275,8 @@ class TokenizeRequest(ChatTemplateOptions):
     @field_validator("messages")
     @classmethod
     def _prompt_or_messages(cls, v, info):  # `prompt` is declared before `messages`, so it is in info.data
-        if ("prompt" in info.data and info.data["prompt"] is not None) == (v is not None):
-            raise ValueError("give either a prompt or messages: one of them, not both")
+        given = ("prompt" in info.data and info.data["prompt"] is not None) + (v is not None)
+        if given != 1: raise ValueError("give a prompt or messages" if given == 0 else "give either a prompt or messages, not both")
         return v
 
 class DetokenizeRequest(OpenAIModel):

@@ -6,9 +6,9 @@
 __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'ENGINE_CHECKED', 'TEXT_MARGIN',
            'SERVER_GC_THRESHOLD', 'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five',
            'ServerMetrics', 'sse', 'failed_events', 'tagged', 'completion_events', 'chat_events', 'EventStream',
-           'final_outputs', 'ModelNotFound', 'OpenAIServer', 'add_routes', 'add_error_handlers', 'check_api_key',
-           'build_app', 'DrainingServer', 'check_port', 'make_server', 'socket_url', 'bound_url', 'listen', 'serve',
-           'run_in_thread', 'background_server']
+           'unless_client_leaves', 'final_outputs', 'check_unicode', 'ModelNotFound', 'OpenAIServer', 'add_routes',
+           'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer', 'check_port', 'make_server',
+           'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread', 'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
 import asyncio, contextlib, functools, hmac, json, logging, re, signal, socket, threading, time
@@ -285,21 +285,32 @@ async def _lasts(outputs: list) -> list:
     "The final output of each choice, read one choice after another (the others' latest outputs wait in their streams)."
     return [await _last(o) for o in outputs]
 
-async def final_outputs(outputs: list, request: Request, abort) -> list | None:
-    "The last output of every choice of a request that is not streamed; None, with all aborted, if its client leaves first."
-    reader, gone = asyncio.ensure_future(_lasts(outputs)), asyncio.ensure_future(_disconnected(request))
-    try: await asyncio.wait({reader, gone}, return_when=asyncio.FIRST_COMPLETED)
+async def unless_client_leaves(work, request: Request):
+    "The result of the coroutine `work`; None, with `work` cancelled, if the client of `request` hangs up first."
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try: await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not reader.done():
-            reader.cancel()
-            abort()  # choices the reader had not reached, whose own `finally` never runs
-            with contextlib.suppress(asyncio.CancelledError): await reader
-    if reader.cancelled(): return None
-    if reader.exception() is not None: abort()  # a choice failed: nobody will read the others
-    return reader.result()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError): await task
+    return None if task.cancelled() else task.result()
+
+async def final_outputs(outputs: list, request: Request, abort) -> list | None:
+    "The last output of every choice of a request that is not streamed; None, with all aborted, if its client leaves first."
+    try: outs = await unless_client_leaves(_lasts(outputs), request)
+    except BaseException:  # a choice failed (nobody will read the others), or the handler was cancelled
+        abort(); raise
+    if outs is None: abort()  # choices the reader had not reached, whose own `finally` never runs
+    return outs
 
 # %% ../chapters/12c_server.ipynb #c82d1f47
+def check_unicode(text: str, param: str, which: str = ""):
+    "A 400 naming `param` if `text` is not valid Unicode: a lone surrogate, which JSON can carry and UTF-8 cannot."
+    try: text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"The text{which} is not valid Unicode: {e.reason} at position {e.start}.", param) from None
+
 class ModelNotFound(LookupError):
     "A request names a model this server does not serve (404)."
 
@@ -324,13 +335,12 @@ class OpenAIServer:
         if name is not None and name != self.model_name:
             raise ModelNotFound(f"The model {name!r} does not exist; this server serves {self.model_name!r}.")
 
-    def check_text(self, text: str, param: str):
-        "A 400 naming `param` if the model has no tokenizer or the text is not valid Unicode (a lone surrogate)."
+    def check_text(self, text: str, param: str, which: str = ""):
+        "A 400 naming `param` if the model has no tokenizer or the text (`which` one of several) is not valid Unicode."
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer: send the prompt as token ids.", param)
-        try: text.encode("utf-8")
-        except UnicodeEncodeError as e: raise InvalidRequest(f"The text is not valid Unicode: {e.reason} at position {e.start}.", param)
+        check_unicode(text, param, which)
 
-    def check_chars(self, num_chars: int, param: str):
+    def check_chars(self, num_chars: int, param: str, which: str = ""):
         """A 400 for text far too long for the context, before any time is spent tokenizing it. No token stands for more
         characters than its vocabulary entry has, so such text needs more tokens than the context holds; the bound has
         a margin of TEXT_MARGIN for tokenizers whose normalizer merges characters, or templates that trim. (Text made
@@ -338,14 +348,16 @@ class OpenAIServer:
         if num_chars > TEXT_MARGIN * self.max_model_len * self.max_token_chars:
             raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens, and no token of its "
                                  f"vocabulary is longer than {self.max_token_chars} characters. However, you sent "
-                                 f"{num_chars} characters. Please reduce the length of the {param}.", param)
+                                 f"{num_chars} characters{which}. Please reduce the length of the {param}.", param)
 
     async def completion_prompts(self, req: CompletionRequest) -> list:
         "The token ids of each prompt of a completion request (strings tokenized off the event loop, token ids as they are)."
         texts = [p for p in req.prompts if isinstance(p, str)]
-        for text in texts:
-            self.check_text(text, "prompt")
-            self.check_chars(len(text), "prompt")
+        for i, text in enumerate(req.prompts):
+            if not isinstance(text, str): continue
+            which = f" in prompt[{i}]" if len(req.prompts) > 1 else ""  # of a list, the one at fault
+            self.check_text(text, "prompt", which)
+            self.check_chars(len(text), "prompt", which)
         special = req.add_special_tokens
         encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t, add_special_tokens=special) for t in texts]) if texts else ())
         return [next(encoded) if isinstance(p, str) else list(p) for p in req.prompts]
@@ -428,6 +440,8 @@ class OpenAIServer:
             budgets = [min(budget, self.sampling_defaults["max_tokens"]) for budget in budgets]
         if req.stop and self.tokenizer is None:
             raise InvalidRequest("This model has no tokenizer, so stop strings cannot be matched: use stop_token_ids.", "stop")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for i, stop in enumerate(stops): check_unicode(stop, "stop", f" of stop[{i}]" if len(stops) > 1 else "")
         choices, limit, engine = len(prompts) * req.n, self.engine.max_waiting, self.engine
         if limit is not None and choices > limit:  # it could never be queued whole
             raise InvalidRequest(f"This request asks for {choices} choices ({len(prompts)} prompts x n={req.n}), but this "
@@ -500,7 +514,8 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         prompts = await server.completion_prompts(req)
         if req.echo: server.check_echo(req, prompts)
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo alone: the engine draws one token, which is dropped
-        streams = await server.start(prompts, req, max_tokens, "max_tokens", "prompt")
+        streams = await unless_client_leaves(server.start(prompts, req, max_tokens, "max_tokens", "prompt"), request)
+        if streams is None: return Response(status_code=499)  # gone before the engine took them all: none runs
         rid, abort = new_id("cmpl"), functools.partial(server.abort_unless_finished, streams)
         echo = None
         if req.echo:  # the prompts passed the engine's checks: token ids decode
@@ -540,7 +555,9 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         server.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prompt = await server.chat_prompt(req)
-        streams = await server.start([prompt], req, req.max_completion_tokens or req.max_tokens, param, "messages")
+        streams = await unless_client_leaves(server.start([prompt], req, req.max_completion_tokens or req.max_tokens, param,
+                                                          "messages"), request)
+        if streams is None: return Response(status_code=499)
         rid, abort = new_id("chatcmpl"), functools.partial(server.abort_unless_finished, streams)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:

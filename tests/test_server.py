@@ -495,6 +495,7 @@ def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(url, referen
                               ("/tokenize", {"prompt": "a", "model": "other"}, "model")):
         bad = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert bad.status_code in (400, 404, 413) and (param is None or bad.json()["error"]["param"] == param), (path, body, bad.text)
+    assert "give a prompt or messages" in httpx.post(f"{url}/tokenize", json={}).json()["error"]["message"]  # neither
 
 
 def test_tokenize_takes_long_documents_and_special_tokens_as_asked(url):
@@ -515,7 +516,7 @@ def test_tokenize_adds_special_tokens_to_a_prompt_and_not_to_a_conversation():
         chat_template = "{{ messages[0].content }}"
         def encode(self, text, add_special_tokens=True): return [int(add_special_tokens)]
         def apply_chat_template(self, messages, add_generation_prompt=True): return messages[0]["content"]
-    server = SimpleNamespace(tokenizer=Tokenizer(), check_text=lambda text, param: None, check_chars=lambda n, param: None)
+    server = SimpleNamespace(tokenizer=Tokenizer(), check_text=lambda text, param, which="": None, check_chars=lambda n, param, which="": None)
     server.chat_ids = lambda *a, **k: OpenAIServer.chat_ids(server, *a, **k)
     ask = lambda **body: asyncio.run(OpenAIServer.tokenize(server, TokenizeRequest(**body)))
     chat = [{"role": "user", "content": "hi"}]
@@ -678,6 +679,38 @@ def test_disconnect_while_waiting_for_a_plain_response_aborts(url, caplog):
     assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 1
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # a hang-up is not a server error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_engine_takes_its_prompts_has_none_computed(served, monkeypatch, stream):
+    "The engine takes adds between steps: a client gone during a long step has its prompts aborted before the next one."
+    url, engine = served
+    step, slow, stepping, seen = engine.engine.step, threading.Event(), threading.Event(), set()
+    def slow_step():  # a step of a second, as a long prefill on a CPU
+        if not slow.is_set(): return step()
+        stepping.set()
+        time.sleep(1.0)
+        outs = step()
+        seen.update(out.request_id for out in outs)
+        return outs
+    monkeypatch.setattr(engine.engine, "step", slow_step)
+    aborted = metric(url, "nanoserve:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": ["Write a long story.", "Write a long poem."], "max_tokens": 16, "stream": stream}
+    with httpx.stream("POST", f"{url}/v1/completions", json=_long_request(True), timeout=60) as blocker:
+        lines = blocker.iter_lines()  # held: a dropped iterator would close the stream, and the blocker would be aborted
+        next(line for line in lines if line.startswith("data:"))  # it runs: the engine steps
+        slow.set(); stepping.clear()
+        assert stepping.wait(10)
+        with pytest.raises(httpx.ReadTimeout):  # sent at the start of a step; the client leaves 0.3 s later
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3)) as r: r.read()
+        time.sleep(2.5)  # the step ends, the engine takes the two adds and their aborts, then steps on
+        slow.clear()
+    deadline = time.monotonic() + 5
+    while metric(url, "nanoserve:request_success_total", finished_reason="abort") < aborted + 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 3  # both prompts, the blocker
+    assert len(seen) == 1  # the slow steps computed the blocker alone: neither prompt was prefilled for nobody
+    assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(served, client, reference):
@@ -963,6 +996,17 @@ def test_a_kv_cache_smaller_than_the_context_caps_the_default_budget(small_cache
 def test_malformed_bodies(url, content, status, what):
     r = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == status and what in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content,param,what", [
+    (b'{"prompt": ["ok", "\\ud800"], "max_tokens": 2}', "prompt", "The text in prompt[1] is not valid Unicode"),
+    (b'{"prompt": "hi", "stop": "\\ud800", "max_tokens": 2}', "stop", "The text is not valid Unicode"),
+    (b'{"prompt": "hi", "stop": ["x", "\\udc00"], "max_tokens": 2}', "stop", "The text of stop[1] is not valid Unicode"),
+])
+def test_text_that_is_not_unicode_is_refused_where_it_stands(url, content, param, what):
+    "A lone surrogate, which JSON carries and UTF-8 cannot: in a stop string it could never match; a 400 names it."
+    error = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}).json()["error"]
+    assert error["param"] == param and what in error["message"]
 
 
 @pytest.mark.parametrize("headers", [{"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}, {}])
