@@ -21,6 +21,7 @@ from .loader import DEFAULT_MODEL, checkpoint_files, load_model, resolve_model
 from .model import ModelConfig
 from .sampling import SamplingParams
 from .serve_benchmark import format_summary, serve_benchmark
+from .speculative import speculative_generate
 from .server import serve
 from .tokenizer import load_tokenizer
 
@@ -62,9 +63,14 @@ def run_generate(args) -> int:
                                           f"positions, and the completion needs at least {least}")
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
     def show(piece): sys.stdout.write(piece); sys.stdout.flush()
-    completion = generate(model, tokenizer, prompt_ids, params, on_text=show)
+    if args.speculative_tokens:  # chapter 14: drafts by prompt lookup, checked k at a time; the same greedy output
+        completion = speculative_generate(model, tokenizer, prompt_ids, params, args.speculative_tokens, on_text=show)
+    else: completion = generate(model, tokenizer, prompt_ids, params, on_text=show)
     print()
-    if args.show_stats: print(f"[{completion.finish_reason}] {completion.stats}", file=sys.stderr)
+    if args.show_stats:
+        extra = (f" | {completion.tokens_per_pass:.2f} tokens a pass, {completion.accepted} of {completion.drafted} draft tokens "
+                 "accepted") if args.speculative_tokens else ""
+        print(f"[{completion.finish_reason}] {completion.stats}{extra}", file=sys.stderr)
     return 0
 
 # %% ../chapters/90_cli.ipynb #c90gen01
@@ -104,6 +110,8 @@ def add_generate_parser(sub):
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--show-stats", action="store_true", help="print TTFT, TPOT and tokens/s to stderr")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding (chapter 14): draft up to K tokens a step by prompt lookup (0: off)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="auto (the default): float32 on cpu, the checkpoint's dtype on cuda")

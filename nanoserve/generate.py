@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['KVCache', 'forward_cached', 'best_seconds', 'GenerationStats', 'Completion', 'StopStringGuard', 'prompt_token_ids',
-           'generate']
+           'Decoding', 'generate']
 
 # %% ../chapters/07_kv_cache.ipynb #9fbce959
 import operator, sys, time
@@ -109,38 +109,52 @@ def prompt_token_ids(ids, vocab_size: int) -> list:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     return ints
 
+class Decoding:
+    "One completion in progress on chapter 7's cache: the checked request, its cache, generator and detokenizer, the output so far."
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: SamplingParams, on_text=None):
+        if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got a {type(params).__name__}")
+        asked = [name for name, on in [("n", params.n > 1), ("logprobs", params.logprobs is not None),
+                                       ("prompt_logprobs", params.prompt_logprobs is not None)] if on]  # refused, not ignored
+        if asked: raise ValueError(f"{asked[0]}={getattr(params, asked[0])}: generate makes one completion, without log "
+                                   "probabilities; LLM.generate (chapter 11b) has them")
+        self.prompt_ids = prompt_token_ids(prompt_ids, model.config.vocab_size)
+        max_len = len(self.prompt_ids) + params.max_tokens
+        if max_len > model.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(self.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {max_len} exceeds "
+                             f"the model's context of {model.config.max_position_embeddings} tokens")
+        weight = model.model.embed_tokens.weight  # dtype and device (an int8 LM head, chapter 9c, has no weight)
+        self.params, self.stop_token_ids, self.device = params, tokenizer.stop_token_ids, weight.device
+        self.cache = KVCache(model.config, max_len, weight.dtype, weight.device)
+        self.generator = make_generator(params.seed, weight.device)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, self.prompt_ids)
+        self.guard, self.out, self.text, self.done = StopStringGuard(params, on_text), [], "", None
+        self.start, self.ttft = time.perf_counter(), None
+
+    def emit(self, token: int) -> bool:
+        "Take the next token: its text, the stop checks, the text that is now certain streamed; True when the completion is finished."
+        if not self.out: self.ttft = time.perf_counter() - self.start
+        self.out.append(token)
+        piece = self.detok.step(token)
+        self.done = check_stop(token, self.text + piece, len(self.out), self.params, self.stop_token_ids, len(self.text))
+        self.text = self.done.text
+        if not self.done.finished: self.guard.update(self.text)
+        return self.done.finished
+
+    def finish(self) -> Completion:
+        "The completion, once `emit` has said it is finished."
+        if self.done.reason == "length": self.text += self.detok.flush()  # the end of the stream may hold an unfinished character
+        self.guard.update(self.text, final=True)
+        stats = GenerationStats(len(self.prompt_ids), len(self.out), self.ttft, time.perf_counter() - self.start)
+        return Completion(self.text, self.out, self.done.reason, stats)
+
 @torch.no_grad()
 def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: SamplingParams, on_text=None) -> Completion:
     "Generate one completion of `prompt_ids` with a KV cache; `on_text(piece)` receives the text as it is produced."
-    if not isinstance(params, SamplingParams): raise ValueError(f"params must be a SamplingParams, got a {type(params).__name__}")
-    asked = [name for name, on in [("n", params.n > 1), ("logprobs", params.logprobs is not None),
-                                   ("prompt_logprobs", params.prompt_logprobs is not None)] if on]  # refused, not ignored
-    if asked: raise ValueError(f"{asked[0]}={getattr(params, asked[0])}: generate makes one completion, without log "
-                               "probabilities; LLM.generate (chapter 11b) has them")
-    prompt_ids = prompt_token_ids(prompt_ids, model.config.vocab_size)
-    max_len = len(prompt_ids) + params.max_tokens
-    if max_len > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {max_len} exceeds "
-                         f"the model's context of {model.config.max_position_embeddings} tokens")
-    weight = model.model.embed_tokens.weight  # dtype and device (an int8 LM head, chapter 9c, has no weight)
-    cache = KVCache(model.config, max_len, weight.dtype, weight.device)
-    generator, detok = make_generator(params.seed, weight.device), IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids)
-    guard, out, text = StopStringGuard(params, on_text), [], ""
-    start = time.perf_counter()
-    logits = forward_cached(model, torch.tensor(prompt_ids, device=weight.device), cache)[-1:]  # prefill
+    run = Decoding(model, tokenizer, prompt_ids, params, on_text)
+    logits = forward_cached(model, torch.tensor(run.prompt_ids, device=run.device), run.cache)[-1:]  # prefill
     while True:
-        history = TokenHistory.from_lists([prompt_ids], [out], weight.device) if params.penalized else None
-        banned = [stop_tokens(params, tokenizer.stop_token_ids, len(out))] if params.min_tokens else None
-        token = sample(logits, [params], [generator], history, banned).token_ids.item()
-        if not out: ttft = time.perf_counter() - start
-        out.append(token)
-        piece = detok.step(token)
-        done = check_stop(token, text + piece, len(out), params, tokenizer.stop_token_ids, len(text))
-        text = done.text
-        if done.finished: break
-        guard.update(text)
-        logits = forward_cached(model, torch.tensor([token], device=weight.device), cache)  # decode one token
-    if done.reason == "length": text += detok.flush()  # the end of the stream may hold an unfinished character
-    guard.update(text, final=True)
-    stats = GenerationStats(len(prompt_ids), len(out), ttft, time.perf_counter() - start)
-    return Completion(text, out, done.reason, stats)
+        history = TokenHistory.from_lists([run.prompt_ids], [run.out], run.device) if params.penalized else None
+        banned = [stop_tokens(params, run.stop_token_ids, len(run.out))] if params.min_tokens else None
+        token = sample(logits, [params], [run.generator], history, banned).token_ids.item()
+        if run.emit(token): return run.finish()
+        logits = forward_cached(model, torch.tensor([token], device=run.device), run.cache)  # decode one token

@@ -7,8 +7,8 @@ __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_
            'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'choice_seed',
            'generation_defaults', 'generation_overrides', 'argmax_rows', 'make_generator', 'exponential_race',
            'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens',
-           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'sample',
-           'find_stop', 'StopCheck', 'check_stop']
+           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'decisive_logits',
+           'sampling_probs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -327,41 +327,54 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
     return SamplerOutput(token_ids) if n is None else token_logprobs(logits, token_ids, n)
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
-@torch.no_grad()
-def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
-           banned: list | None = None,  # a tuple of token ids per row (stop_tokens), or None
-           search_filter=None) -> SamplerOutput:  # None, or chapter 9b's search_filter, which does without a sort
-    "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
+def decisive_logits(logits: torch.Tensor, params: list, history: TokenHistory | None = None,
+                    banned: list | None = None) -> tuple:
+    """(edited, t): the logits (B, V) that decide each row's token, with its logit_bias, banned tokens and penalties
+    applied (a float32 copy where any apply: the raw logits give the log probabilities), and the rows' SamplingTensors
+    (None for a greedy batch without penalties)."""
     if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
-    if generators is not None and len(generators) != len(logits):
-        raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
     if banned is not None and len(banned) != len(logits): raise ValueError(f"got {len(banned)} banned-token tuples for {len(logits)} rows")
     penalized, biased = any(p.penalized for p in params), any(p.logit_bias for p in params)
     if penalized and (history is None or len(history.prompt) != len(logits) or len(history.output) != len(logits)):
         raise ValueError("penalties need the tokens each row has seen: pass a TokenHistory with one row per row of logits")
     t = SamplingTensors.from_params(params, logits.shape[-1], logits.device) if penalized or not all(p.greedy for p in params) else None
     banning = banned is not None and any(banned)
-    edited = logits  # the logits that decide: the raw ones, or a float32 copy with the bias, bans and penalties
-    if biased or banning: edited = logits.to(torch.float32, copy=True)  # a copy: the raw logits give the logprobs
+    edited = logits  # the raw logits, or a float32 copy with the bias, bans and penalties
+    if biased or banning: edited = logits.to(torch.float32, copy=True)
     if biased: apply_logit_bias(edited, params)
     if banning: ban_tokens(edited, banned)
     if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
+    return edited, t
+
+def sampling_probs(edited: torch.Tensor, t: SamplingTensors, params: list, search_filter=None) -> torch.Tensor:
+    "The distributions (B, V) that non-greedy rows draw from: decisive logits over the temperature, filtered, softmaxed."
+    sampled, V = [p for p in params if not p.greedy], edited.shape[-1]
+    filtered = any(p.filtered for p in sampled)
+    if filtered and search_filter is not None:  # filter_logits' kept set, found without sorting
+        scaled = search_filter(edited, t.temperature, t.top_k, t.top_p, t.min_p)
+    else:
+        scaled = edited.float() / t.temperature[:, None]
+        if filtered:
+            max_top_k = max(p.top_k_of(V) for p in sampled)  # greedy rows' filters are cut to it, unused
+            sorted_logits = None  # dividing by the temperature keeps the order, and 16-bit keys sort in fewer passes
+            if edited.element_size() < 4 and not (max_top_k < V and selects(len(edited), max_top_k)):
+                sorted_logits = edited.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
+            scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p, max_top_k, sorted_logits)
+    return scaled.softmax(-1)
+
+@torch.no_grad()
+def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
+           banned: list | None = None,  # a tuple of token ids per row (stop_tokens), or None
+           search_filter=None) -> SamplerOutput:  # None, or chapter 9b's search_filter, which does without a sort
+    "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
+    if generators is not None and len(generators) != len(logits):
+        raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
+    edited, t = decisive_logits(logits, params, history, banned)
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
-    sampled, V = [p for p in params if not p.greedy], logits.shape[-1]
-    if sampled:
-        filtered = any(p.filtered for p in sampled)
-        if filtered and search_filter is not None:  # filter_logits' kept set, found without sorting
-            scaled = search_filter(edited, t.temperature, t.top_k, t.top_p, t.min_p)
-        else:
-            scaled = edited.float() / t.temperature[:, None]
-            if filtered:
-                max_top_k = max(p.top_k_of(V) for p in sampled)  # greedy rows' filters are cut to it, unused
-                sorted_logits = None  # dividing by the temperature keeps the order, and 16-bit keys sort in fewer passes
-                if edited.element_size() < 4 and not (max_top_k < V and selects(len(logits), max_top_k)):
-                    sorted_logits = edited.sort(dim=-1, descending=True).values.float() / t.temperature[:, None]
-                scaled = filter_logits(scaled, t.top_k, t.top_p, t.min_p, max_top_k, sorted_logits)
-        token_ids = torch.where(t.greedy, token_ids, exponential_race(scaled.softmax(-1), generators))
+    if not all(p.greedy for p in params):
+        drawn = exponential_race(sampling_probs(edited, t, params, search_filter), generators)
+        token_ids = torch.where(t.greedy, token_ids, drawn)
     return with_logprobs(logits, token_ids, params)
 
 # %% ../chapters/06b_sampling.ipynb #b665a89e

@@ -49,6 +49,15 @@ def test_generate_greedy_equals_library_call():
     assert run.returncode == 0 and run.stdout == want + "\n"
 
 
+def test_generate_speculative_tokens_keep_the_greedy_output_and_report_acceptance():
+    prompt = "Fix the spelling and write it out again: The quik brown fox jumpd over the lazzy dog."
+    plain = run_cli("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "30")
+    spec = run_cli("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "30",
+                   "--speculative-tokens", "4", "--show-stats")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "tokens a pass" in spec.stderr and "draft tokens accepted" in spec.stderr
+
+
 def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
     "A sampling flag left out takes what generation_config.json recommends (or --override-generation-config sets); a flag wins."
     import json
@@ -92,6 +101,7 @@ def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
     (["--prompt", "hi", "--override-generation-config", "[1]"], "expected a JSON object such as"),
     (["--prompt", "hi", "--override-generation-config", '{"max_tokens": 5}'], "override_generation_config={'max_tokens': 5}"),
     (["--prompt", "hi", "--override-generation-config", '{"top_p": 0}'], "override_generation_config: top_p=0"),
+    (["--prompt", "hi", "--speculative-tokens", "-1"], "num_speculative_tokens=-1"),
 ])
 def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     run = run_cli("generate", *args)
