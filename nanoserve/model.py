@@ -112,7 +112,7 @@ def _sliding_window(d: dict, family: str) -> tuple:
         first = d.get("max_window_layers", defaults["max_window_layers"])  # without layer_types: the layers from it on
         if not types and (isinstance(first, bool) or not isinstance(first, int)):
             raise ValueError(f"max_window_layers={first!r}: expected an integer")
-        layers = [i for i, t in enumerate(types) if t == "sliding_attention"] if types else range(first, num_layers)
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"] if types else range(max(first, 0), num_layers)
     else: return None, ()
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r}: expected a positive integer or null")

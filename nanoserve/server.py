@@ -450,12 +450,14 @@ class OpenAIServer:
         try: params = [(ids, sampling_params(req, budget, j, self.sampling_defaults)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
         except ValueError as e:  # SamplingParams' checks of one field against another (min_tokens against the budget)
             raise InvalidRequest(str(e), str(e).partition("=")[0]) from None  # its messages start with the field's name
-        adds = [asyncio.ensure_future(engine.add_request(ids, p)) for ids, p in params]
-        try: await asyncio.wait(adds)
-        finally:  # refused, or cancelled meanwhile: abort what the engine took
+        adds, waited = [asyncio.ensure_future(engine.add_request(ids, p)) for ids, p in params], False
+        try:
+            await asyncio.wait(adds)
+            waited = True
+        finally:  # refused, or cancelled meanwhile (even after the last add was taken): abort what the engine took
             taken = [a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None]
             refused = next((a for a in adds if not a.done() or a.cancelled() or a.exception() is not None), None)
-            if refused is not None:
+            if refused is not None or not waited:
                 for a in adds: a.cancel()
                 for stream in taken: engine.abort(stream.request_id)
         if refused is None: return taken

@@ -81,8 +81,9 @@ def speculative_generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list
     passes = drafted = accepted = 0
     while True:
         new = verify(logits, draft, params, run.prompt_ids, run.out, run.generator, run.stop_token_ids)
-        accepted += len(new) - 1
-        if any(run.emit(token) for token in new): break  # stops at the first token that finishes it
+        emitted = next((i + 1 for i, token in enumerate(new) if run.emit(token)), None)  # a token that finishes it ends the pass
+        accepted += min(emitted or len(new), len(new) - 1)  # the draft tokens output: all of `new` but the model's own
+        if emitted is not None: break
         run.cache.length -= len(draft) - (len(new) - 1)  # the refused draft tokens' keys and values are dropped
         k = min(num_speculative_tokens, params.max_tokens - len(run.out) - 1)  # the model's own token is one more
         draft = ngram_draft(run.prompt_ids + run.out, k, max_ngram)

@@ -201,6 +201,7 @@ def test_sliding_window_keys_are_read_as_transformers_reads_them():
     assert windows("Qwen2ForCausalLM", sliding_window=64, layer_types=["full_attention", "sliding_attention"]) == [None, None]
     assert windows("LlamaForCausalLM", sliding_window=4096) == [None, None]  # Llama has none
     assert windows("MistralForCausalLM", sliding_window=32768) == [None, None]  # a window as long as the context drops nothing
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=-1) == [4096, 4096]  # every layer, as transformers
     with pytest.raises(ValueError, match="max_window_layers='2'"):
         windows("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers="2")
     with pytest.raises(ValueError, match="layer_types="):

@@ -713,6 +713,41 @@ def test_a_client_that_leaves_before_the_engine_takes_its_prompts_has_none_compu
     assert wait_until_idle(url)["kv_cache_usage_perc"] == 0
 
 
+def test_a_client_that_leaves_as_the_engine_takes_its_prompts_leaves_nothing_running():
+    "The verdict and the hang-up in one event-loop turn, in every order: whatever the engine took is aborted, or answered."
+    import types
+    from nanoserve.protocol import CompletionRequest
+    from nanoserve.server import OpenAIServer, unless_client_leaves
+    class Engine:  # takes a prompt when `verdict` is set
+        max_waiting = None
+        def __init__(self, verdict): self.verdict, self.taken, self.aborted = verdict, [], []
+        def check_room(self, n): pass
+        async def add_request(self, ids, params):
+            await self.verdict.wait()
+            self.taken.append(types.SimpleNamespace(request_id=f"r{len(self.taken)}", finished=False))
+            return self.taken[-1]
+        def abort(self, request_id): self.aborted.append(request_id)
+    class Request:  # the client hangs up when the verdict comes
+        def __init__(self, event): self.event = event
+        async def receive(self):
+            await self.event.wait()
+            return {"type": "http.disconnect"}
+    async def run(turns: int):
+        event = asyncio.Event()
+        engine = Engine(event)
+        server = types.SimpleNamespace(max_model_len=100, kv_capacity=10**6, sampling_defaults={}, tokenizer=None, engine=engine)
+        req = CompletionRequest(model="m", prompt=[[1, 2, 3], [4, 5]], max_tokens=5)
+        task = asyncio.ensure_future(unless_client_leaves(OpenAIServer.start(server, [[1, 2, 3], [4, 5]], req, 5, "max_tokens", "prompt"),
+                                                          Request(event)))
+        for _ in range(turns): await asyncio.sleep(0)
+        event.set()
+        return await task, engine
+    for turns in range(6):
+        streams, engine = asyncio.run(run(turns))
+        if streams is None: assert sorted(engine.aborted) == sorted(s.request_id for s in engine.taken), turns  # 499: none left
+        else: assert len(streams) == 2 and not engine.aborted  # answered: the handler's own watch takes over
+
+
 def test_a_request_that_fails_in_the_engine_fails_alone(served, client, reference):
     url, engine = served
     poison, unaddable = [13, 13, 13, 13, 42], [13, 13, 13, 13, 43]

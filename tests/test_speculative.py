@@ -104,6 +104,15 @@ def test_a_refused_draft_is_dropped_from_the_cache(tiny, monkeypatch):
     assert got.drafted == sum(min(4, 20 - j - 1) for j in range(1, 20))  # the draft never reaches past max_tokens
 
 
+def test_a_stop_inside_an_accepted_draft_counts_only_the_draft_tokens_output(tiny, monkeypatch):
+    want = generate(tiny, NoText(), [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)).token_ids
+    monkeypatch.setattr(speculative, "ngram_draft", lambda tokens, k, max_n=3: want[len(tokens) - 3:len(tokens) - 3 + k])  # always right
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[want[3]])
+    got = speculative_generate(tiny, NoText(), [1, 2, 3], params, 8)
+    assert got.token_ids == want[:4] and got.finish_reason == "stop"
+    assert (got.passes, got.drafted, got.accepted) == (1, 8, 3)  # of the 8 drafted, want[1:4] were output (not 8)
+
+
 @pytest.mark.parametrize("name,value", [("num_speculative_tokens", -1), ("num_speculative_tokens", 2.0), ("max_ngram", 0),
                                         ("num_speculative_tokens", True)])
 def test_bad_arguments_are_value_errors(tiny, name, value):
