@@ -219,7 +219,10 @@ def test_compact_json_crlf_and_lines_split_between_reads(fake):
     res = {m: serve_benchmark(url, model=m, num_prompts=3, input_len=4, output_len=7, detailed=True) for m in ("compact", "ok")}
     for r in res.values():
         assert (r["completed"], r["total_output_tokens"]) == (3, 21) and all(len(q["itl_ms"]) == 6 for q in r["requests"])
-        assert 45 <= r["median_ttft_ms"] < 120 and 9 <= r["median_itl_ms"] < 30
+        # the fake server's own delays bound the times from below; the upper bounds are test_counts_and_latencies_...'s:
+        # three requests at once here, and one stall of a loaded CI machine (seen: 0.4 s) moves all three medians
+        assert 45 <= r["median_ttft_ms"] and 9 <= r["median_itl_ms"]
+        assert all(q["ttft_ms"] + sum(q["itl_ms"]) == pytest.approx(q["e2el_ms"]) for q in r["requests"])
 
 
 def compact(obj) -> bytes: return json.dumps(obj, separators=(",", ":")).encode()
