@@ -23,6 +23,7 @@ from .sampling import SamplingParams
 from .serve_benchmark import format_summary, serve_benchmark
 from .speculative import speculative_generate
 from .server import serve
+from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
 
 # %% ../chapters/90_cli.ipynb #a1fd9ce1
@@ -46,9 +47,11 @@ def sampling_params(args, defaults: dict | None = None) -> SamplingParams:
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
              "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_new_tokens}  # None: not given
     given = {name: value for name, value in flags.items() if value is not None}
+    shape = {"regex": args.regex, "choice": args.choice, "json": args.json_schema, "json_object": args.json_object}
+    structured = StructuredOutputs(**shape) if any(v not in (None, False) for v in shape.values()) else None
     return SamplingParams(**{"max_tokens": GENERATE_MAX_TOKENS, **(defaults or {}), **given}, seed=args.seed,
                           stop=args.stop or None, ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
+                          frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens, structured_outputs=structured)
 
 def run_generate(args) -> int:
     "Stream one completion to stdout."
@@ -112,6 +115,11 @@ def add_generate_parser(sub):
     p.add_argument("--show-stats", action="store_true", help="print TTFT, TPOT and tokens/s to stderr")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding (chapter 14): draft up to K tokens a step by prompt lookup (0: off)")
+    shape = p.add_mutually_exclusive_group()  # structured output (chapter 6c): what the whole completion must be
+    shape.add_argument("--regex", default=None, help="the completion matches this regular expression")
+    shape.add_argument("--choice", action="append", default=None, help="the completion is one of these strings (repeatable)")
+    shape.add_argument("--json-schema", type=json_object, default=None, metavar="JSON", help="the completion is JSON that this schema describes")
+    shape.add_argument("--json-object", action="store_true", help="the completion is a JSON object")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="auto (the default): float32 on cpu, the checkpoint's dtype on cuda")

@@ -22,6 +22,7 @@ from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplingParams, check_stop, choice_seed, generation_defaults, generation_overrides, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
+from .structured import ConstraintState, compile_structured
 from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json, template_options
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
@@ -143,6 +144,8 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None  # filled by the prefill steps that compute them
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token or stop string that finished it (check_stop's)
+    constraint: ConstraintState | None = None  # where its structured output stands (chapter 6c), advanced by each recorded token
+    constraint_error: ValueError | None = None  # its mask could not be made: recording its next token fails the request
 
     def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
@@ -233,6 +236,8 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
                                      or not math.isfinite(arrival_time)):
         raise ValueError(f"arrival_time={arrival_time!r}: expected None or a time.monotonic() reading")
     if params.stop and self.tokenizer is None: raise ValueError("stop strings need a tokenizer; this model has none")
+    if params.structured_outputs is not None and self.tokenizer is None:
+        raise ValueError("structured_outputs need a tokenizer, to know each token's bytes; this model has none")
     vocab_size = self.model.config.vocab_size
     for name in ("logprobs", "prompt_logprobs"):
         if (getattr(params, name) or 0) > vocab_size: raise ValueError(f"{name}={getattr(params, name)}: this model has only {vocab_size} tokens")
@@ -253,18 +258,27 @@ def _add_request(self: LLMEngine, request_id, prompt, params: SamplingParams | N
     detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids) if self.tokenizer else None
     request = Request(seq, prompt if isinstance(prompt, str) else None, detok, make_generator(params.seed, self.runner.device),
                       RequestMetrics(arrival), stream, logprobs=[] if params.logprobs is not None else None,
-                      prompt_logprobs=None if params.prompt_logprobs is None else PromptLogprobs(ids, params.prompt_logprobs))
+                      prompt_logprobs=None if params.prompt_logprobs is None else PromptLogprobs(ids, params.prompt_logprobs),
+                      constraint=self._constraint(params))
     self.scheduler.add(seq)  # raises if it could never fit; last, so that a request is in both places or in neither
     self.requests[request_id] = request
     return request_id
 
-LLMEngine._prompt_token_ids, LLMEngine.add_request = _prompt_token_ids, _add_request
+def _constraint(self: LLMEngine, params: SamplingParams) -> ConstraintState | None:
+    "A new request's structured-output state (chapter 6c); requests with the same spec share one compiled automaton."
+    if params.structured_outputs is None: return None
+    eos = tuple(sorted(self.eos_token_ids | set(self.extra_eos_token_ids)))  # any token that ends the text ends a match
+    return ConstraintState(compile_structured(params.structured_outputs, self.tokenizer, eos, self.model.config.vocab_size))
+
+LLMEngine._prompt_token_ids, LLMEngine.add_request, LLMEngine._constraint = _prompt_token_ids, _add_request, _constraint
 
 # %% ../chapters/11b_engine.ipynb #8cbc52ae
 def _record_token(self: LLMEngine, req: Request, row: int, logprobs: tuple | None):
     """Append the text and log probabilities of the token the sequence just took; finish it if a stop condition holds.
     `logprobs`: the step's log probabilities, top tokens and their log probabilities, as lists of rows, or None."""
     seq, token = req.seq, req.seq.output_token_ids[-1]
+    if req.constraint_error is not None: raise req.constraint_error
+    if req.constraint is not None: req.constraint.advance(token)  # a token the mask did not allow raises: this request fails
     if req.logprobs is not None:
         chosen, top_ids, top_lps = logprobs
         k = seq.params.logprobs
@@ -298,7 +312,9 @@ def _step(self: LLMEngine) -> list:
             sampled_reqs = reqs[:len(out.sampled_seqs)]  # those that take a token
             banned = [stop_tokens(s.params, self.eos_token_ids, s.num_output_tokens + s.num_in_flight - 1)  # tokens so far,
                       for s in out.sampled_seqs] if any(s.params.min_tokens for s in out.sampled_seqs) else None  # in flight too
-            launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running, banned), sampled_reqs)
+            allowed = self._allowed(sampled_reqs, running) if any(r.constraint for r in sampled_reqs) else None
+            launched = (self.runner.launch(out, self.scheduler.blocks, [r.generator for r in reqs], running, banned, allowed),
+                        sampled_reqs)
     except BaseException:  # the step never ran: blocks named for it as it was scheduled (chapter 10b) hold nothing
         self.reset_prefix_cache()
         raise
@@ -309,7 +325,23 @@ def _step(self: LLMEngine) -> list:
         launched, self._running = self._running, launched
     return self._process(*launched) if launched else []
 
-LLMEngine._record_token, LLMEngine._fail, LLMEngine.step = _record_token, _fail, _step
+def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
+    """Per sampled row, the tokens its structured output allows now (chapter 6c), or None. A token still on its way from
+    the step before decides the mask, so this waits for that step: with async scheduling, constrained rows cost the overlap."""
+    rows = running.rows if running is not None else {}
+    in_flight = running.result().token_ids.tolist() if any(r.constraint and r.seq in rows for r in reqs) else None
+    masks = []
+    for req in reqs:
+        c, mask = req.constraint, None
+        if c is not None:
+            try: mask = c.constraint.allowed(c.state if req.seq not in rows else c.constraint.advance(c.state, in_flight[rows[req.seq]]))
+            except ValueError as e: req.constraint_error = e  # an automaton past its size limit: this request fails, alone
+            if mask is not None and not mask.any():  # a vocabulary without a byte the pattern needs (chapter 6c)
+                req.constraint_error, mask = ValueError("structured output: no token of the vocabulary continues the text"), None
+        masks.append(mask)
+    return masks
+
+LLMEngine._record_token, LLMEngine._fail, LLMEngine.step, LLMEngine._allowed = _record_token, _fail, _step, _allowed
 
 # %% ../chapters/11b_engine.ipynb #9d4e5f12
 def _process(self: LLMEngine, launched: LaunchedStep, reqs: list) -> list:

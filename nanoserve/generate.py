@@ -15,6 +15,7 @@ import torch
 from .attention import causal_attention
 from .model import CausalLM, ModelConfig
 from .sampling import SamplingParams, TokenHistory, check_stop, make_generator, sample, stop_tokens
+from .structured import ConstraintState, compile_structured
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% ../chapters/07_kv_cache.ipynb #7fc5b449
@@ -128,12 +129,15 @@ class Decoding:
         self.generator = make_generator(params.seed, weight.device)
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, self.prompt_ids)
         self.guard, self.out, self.text, self.done = StopStringGuard(params, on_text), [], "", None
+        self.constraint = None if params.structured_outputs is None else ConstraintState(  # chapter 6c
+            compile_structured(params.structured_outputs, tokenizer, self.stop_token_ids, model.config.vocab_size))
         self.start, self.ttft = time.perf_counter(), None
 
     def emit(self, token: int) -> bool:
         "Take the next token: its text, the stop checks, the text that is now certain streamed; True when the completion is finished."
         if not self.out: self.ttft = time.perf_counter() - self.start
         self.out.append(token)
+        if self.constraint is not None: self.constraint.advance(token)
         piece = self.detok.step(token)
         self.done = check_stop(token, self.text + piece, len(self.out), self.params, self.stop_token_ids, len(self.text))
         self.text = self.done.text
@@ -155,6 +159,8 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     while True:
         history = TokenHistory.from_lists([run.prompt_ids], [run.out], run.device) if params.penalized else None
         banned = [stop_tokens(params, run.stop_token_ids, len(run.out))] if params.min_tokens else None
-        token = sample(logits, [params], [run.generator], history, banned).token_ids.item()
+        allowed = None if run.constraint is None else [run.constraint.allowed()]
+        if allowed and not allowed[0].any(): raise ValueError("structured output: no token of the vocabulary continues the text")
+        token = sample(logits, [params], [run.generator], history, banned, allowed=allowed).token_ids.item()
         if run.emit(token): return run.finish()
         logits = forward_cached(model, torch.tensor([token], device=run.device), run.cache)  # decode one token

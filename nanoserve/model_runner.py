@@ -342,7 +342,8 @@ class TokenHistories:
 @torch.inference_mode()
 def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None,
             running: LaunchedStep | None = None,  # the step still on the GPU, whose tokens this one feeds
-            banned: list | None = None) -> LaunchedStep:  # per sampled row, the tokens it must not draw (min_tokens)
+            banned: list | None = None,  # per sampled row, the tokens it must not draw (min_tokens)
+            allowed: list | None = None) -> LaunchedStep:  # per sampled row, a mask of the tokens it may draw (chapter 6c), or None
     "Queue one scheduled step, sampling one token per sequence on the device; returns without waiting for it."
     in_flight = None if running is None else (running.rows, running.sampled.token_ids)
     inputs = prepare_inputs(out, blocks, self.device, pad_to=self.graph_size(out), tokens_in_flight=in_flight)
@@ -357,7 +358,7 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     penalized = any(p.penalized for p in params)
     if penalized and self.histories is None: self.histories = TokenHistories(self.device)
     history = self.histories.gather(out.sampled_seqs) if penalized else None
-    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter)
+    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter, allowed)
     if penalized: self.histories.append(sampled.token_ids)  # on the device: the next step's gather sees it, in stream order
     host, prompt_host, copied = _copy_to_host(sampled, prompt)
     return LaunchedStep(out, sampled, host, copied, spans, prompt_host)

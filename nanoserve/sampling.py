@@ -7,8 +7,8 @@ __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_
            'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'choice_seed',
            'generation_defaults', 'generation_overrides', 'argmax_rows', 'make_generator', 'exponential_race',
            'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens',
-           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'decisive_logits',
-           'sampling_probs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
+           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'allow_tokens',
+           'decisive_logits', 'sampling_probs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -149,6 +149,7 @@ class SamplingParams:
     n: int = 1                  # completions of the prompt: LLM.generate runs n sequences, choice j seeded with choice_seed
     include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text, at the end of the output
     skip_special_tokens: bool = True  # leave special tokens' text (<|im_end|>, say) out of the output text
+    structured_outputs: object = None  # chapter 6c's StructuredOutputs: the output matches a regex, a choice or a JSON schema
 
     def __setattr__(self, name, value):
         "Every assignment is checked, the constructor's and any later one: a request keeps its params while it runs."
@@ -159,6 +160,8 @@ class SamplingParams:
         elif name == "stop": value = _stop_strings(value)
         elif name == "stop_token_ids": value = _token_ids(value)
         elif name == "logit_bias": value = _logit_bias(value)
+        elif name == "structured_outputs" and not (value is None or callable(getattr(value, "pattern", None))):
+            raise ValueError(f"structured_outputs={reprlib.repr(value)}: expected None or a StructuredOutputs (chapter 6c)")
         if name == "min_tokens" and value > self.max_tokens:  # max_tokens comes first, also in dataclasses.replace
             raise ValueError(f"min_tokens={value}: expected at most max_tokens={self.max_tokens}")
         if name == "max_tokens" and value < getattr(self, "min_tokens", 0):  # a later assignment
@@ -327,23 +330,38 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
     return SamplerOutput(token_ids) if n is None else token_logprobs(logits, token_ids, n)
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
+def allow_tokens(logits: torch.Tensor, allowed: list) -> torch.Tensor:
+    "Logits (B, V) with every token outside each row's `allowed` mask (a bool (V,) tensor, or None: all) set to -inf, in place."
+    rows = [row for row, mask in enumerate(allowed) if mask is not None]
+    if not rows: return logits
+    masks = torch.stack([allowed[row] for row in rows])  # (rows, V)
+    if masks.dtype != torch.bool or masks.shape[1] != logits.shape[-1]:
+        raise ValueError(f"allowed-token masks must be bool ({logits.shape[-1]},) tensors; got {masks.dtype} {tuple(masks.shape[1:])}")
+    masks = to_device(masks, logits.device)  # one copy per step
+    where = to_device(torch.tensor(rows), logits.device)
+    logits[where] = logits[where].masked_fill(~masks, -math.inf)
+    return logits
+
 def decisive_logits(logits: torch.Tensor, params: list, history: TokenHistory | None = None,
-                    banned: list | None = None) -> tuple:
-    """(edited, t): the logits (B, V) that decide each row's token, with its logit_bias, banned tokens and penalties
-    applied (a float32 copy where any apply: the raw logits give the log probabilities), and the rows' SamplingTensors
-    (None for a greedy batch without penalties)."""
+                    banned: list | None = None, allowed: list | None = None) -> tuple:
+    """(edited, t): the logits (B, V) that decide each row's token, with its logit_bias, banned tokens, allowed tokens
+    (chapter 6c) and penalties applied (a float32 copy where any apply: the raw logits give the log probabilities), and
+    the rows' SamplingTensors (None for a greedy batch without penalties)."""
     if logits.dim() != 2: raise ValueError(f"logits must be (B, V), one row per sequence; got shape {tuple(logits.shape)}")
     if len(params) != len(logits): raise ValueError(f"got {len(params)} SamplingParams for {len(logits)} rows of logits")
     if banned is not None and len(banned) != len(logits): raise ValueError(f"got {len(banned)} banned-token tuples for {len(logits)} rows")
+    if allowed is not None and len(allowed) != len(logits): raise ValueError(f"got {len(allowed)} allowed-token masks for {len(logits)} rows")
     penalized, biased = any(p.penalized for p in params), any(p.logit_bias for p in params)
     if penalized and (history is None or len(history.prompt) != len(logits) or len(history.output) != len(logits)):
         raise ValueError("penalties need the tokens each row has seen: pass a TokenHistory with one row per row of logits")
     t = SamplingTensors.from_params(params, logits.shape[-1], logits.device) if penalized or not all(p.greedy for p in params) else None
     banning = banned is not None and any(banned)
-    edited = logits  # the raw logits, or a float32 copy with the bias, bans and penalties
-    if biased or banning: edited = logits.to(torch.float32, copy=True)
+    masking = allowed is not None and any(mask is not None for mask in allowed)
+    edited = logits  # the raw logits, or a float32 copy with the bias, bans, masks and penalties
+    if biased or banning or masking: edited = logits.to(torch.float32, copy=True)
     if biased: apply_logit_bias(edited, params)
     if banning: ban_tokens(edited, banned)
+    if masking: allow_tokens(edited, allowed)
     if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
     return edited, t
 
@@ -366,11 +384,12 @@ def sampling_probs(edited: torch.Tensor, t: SamplingTensors, params: list, searc
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
            banned: list | None = None,  # a tuple of token ids per row (stop_tokens), or None
-           search_filter=None) -> SamplerOutput:  # None, or chapter 9b's search_filter, which does without a sort
+           search_filter=None,  # None, or chapter 9b's search_filter, which does without a sort
+           allowed: list | None = None) -> SamplerOutput:  # per row, a bool (V,) mask of the tokens it may draw, or None
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
     if generators is not None and len(generators) != len(logits):
         raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
-    edited, t = decisive_logits(logits, params, history, banned)
+    edited, t = decisive_logits(logits, params, history, banned, allowed)
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
         drawn = exponential_race(sampling_probs(edited, t, params, search_filter), generators)

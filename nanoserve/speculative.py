@@ -76,6 +76,8 @@ def speculative_generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list
     for name, v in (("num_speculative_tokens", num_speculative_tokens), ("max_ngram", max_ngram)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_speculative_tokens" else 1):
             raise ValueError(f"{name}={v!r}: expected an integer >= {0 if name == 'num_speculative_tokens' else 1}")
+    if params.structured_outputs is not None:  # verify would need each draft position's mask
+        raise ValueError("structured_outputs: speculative_generate does not constrain its drafts; use generate or LLM.generate")
     run = Decoding(model, tokenizer, prompt_ids, params, on_text)
     logits, draft = forward_cached(model, torch.tensor(run.prompt_ids, device=run.device), run.cache)[-1:], []  # prefill
     passes = drafted = accepted = 0

@@ -1,4 +1,4 @@
-import subprocess, sys
+import json, subprocess, sys
 
 import pytest
 from nanoserve.__main__ import main
@@ -58,6 +58,14 @@ def test_generate_speculative_tokens_keep_the_greedy_output_and_report_acceptanc
     assert spec.stdout == plain.stdout and "tokens a pass" in spec.stderr and "draft tokens accepted" in spec.stderr
 
 
+def test_generate_takes_the_shape_of_structured_output():
+    run = run_cli("generate", "--chat", "--prompt", "Is Paris in France?", "--choice", "Yes", "--choice", "No", "--temperature", "0")
+    assert run.returncode == 0 and run.stdout in ("Yes\n", "No\n"), run.stdout
+    run = run_cli("generate", "--chat", "--prompt", "A person, as JSON.", "--temperature", "0", "--max-new-tokens", "60",
+                  "--json-schema", '{"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}')
+    assert run.returncode == 0 and isinstance(json.loads(run.stdout)["age"], int), run.stdout
+
+
 def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
     "A sampling flag left out takes what generation_config.json recommends (or --override-generation-config sets); a flag wins."
     import json
@@ -102,6 +110,11 @@ def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
     (["--prompt", "hi", "--override-generation-config", '{"max_tokens": 5}'], "override_generation_config={'max_tokens': 5}"),
     (["--prompt", "hi", "--override-generation-config", '{"top_p": 0}'], "override_generation_config: top_p=0"),
     (["--prompt", "hi", "--speculative-tokens", "-1"], "num_speculative_tokens=-1"),
+    (["--prompt", "hi", "--regex", "(ab"], "unbalanced parenthesis"),
+    (["--prompt", "hi", "--regex", "a+", "--choice", "a"], "not allowed with argument --regex"),
+    (["--prompt", "hi", "--json-schema", "[1]"], "expected a JSON object such as"),
+    (["--prompt", "hi", "--json-schema", '{"type": "integer", "minimum": 3}'], "minimum"),
+    (["--prompt", "hi", "--regex", "a+", "--speculative-tokens", "2"], "structured_outputs"),
 ])
 def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     run = run_cli("generate", *args)

@@ -889,10 +889,9 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
 
 
 VLLM_REFUSED = {"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"],
-                "truncate_prompt_tokens": 5, "spaces_between_special_tokens": False, "guided_json": {"type": "object"},
-                "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"choice": ["a"]},
+                "truncate_prompt_tokens": 5, "spaces_between_special_tokens": False, "guided_grammar": "root ::= 'a'",
                 "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "priority": 1, "cache_salt": "salt",
-                "response_format": {"type": "json_object"}, "best_of": 2}  # vLLM honours each; nanoserve cannot
+                "best_of": 2}  # vLLM honours each; nanoserve cannot (structured outputs: tests/test_structured_engine.py)
 
 
 def test_vllm_fields_that_nanoserve_does_not_honour_are_refused_by_name_unless_at_their_defaults(url):

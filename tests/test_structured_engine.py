@@ -1,0 +1,125 @@
+"Structured output (chapter 6c) in chapter 7's generate, the engine (11b) and the server (12b/12c)."
+import json, re
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.generate import generate
+from nanoserve.loader import DEFAULT_MODEL, load_model
+from nanoserve.server import make_server, run_in_thread
+from nanoserve.speculative import speculative_generate
+from nanoserve.structured import StructuredOutputs
+from nanoserve.testing import save_tiny_model
+from nanoserve.tokenizer import load_tokenizer
+
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                           "colour": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "colour"]}
+PROMPTS = ["The date of the moon landing is", "Describe a person as JSON:", "Is the sky blue? Answer:", "1, 2, 3,"]
+SPECS = [StructuredOutputs(regex=DATE), StructuredOutputs(json=SCHEMA), StructuredOutputs(choice=["yes", "no", "maybe"]), None]
+
+
+def follows(spec: StructuredOutputs | None, text: str) -> bool:
+    "Whether `text` is a whole match of `spec` (no spec: anything)."
+    if spec is None: return True
+    if spec.regex is not None: return re.fullmatch(spec.regex, text) is not None
+    if spec.choice is not None: return text in spec.choice
+    value = json.loads(text)
+    return (set(value) == {"name", "age", "colour"} and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and type(value["age"]) is int and value["colour"] in ("red", "green", "blue"))
+
+
+@pytest.fixture(scope="module")
+def llm(): return LLM(max_model_len=512, num_kv_blocks=128, device="cpu")
+
+
+def params_for(spec, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 48, **kw}, structured_outputs=spec)
+
+
+def test_the_engine_follows_each_rows_constraint_and_leaves_the_others_alone(llm):
+    outs = llm.generate(PROMPTS, [params_for(s) for s in SPECS], use_tqdm=False)
+    for spec, out in zip(SPECS[:-1], outs):
+        assert out.outputs[0].finish_reason == "stop" and follows(spec, out.outputs[0].text), (spec, out.outputs[0].text)
+    alone = llm.generate(PROMPTS[-1:], params_for(None), use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[-1].outputs[0].token_ids  # the masks of other rows do not leak into it
+    free = llm.generate(PROMPTS[:1], params_for(None), use_tqdm=False)[0].outputs[0].text
+    assert not follows(SPECS[0], free)  # the constraint changed the answer: without it the model writes something else
+
+
+def test_chapter_7_sync_async_and_preempted_engines_agree(llm):
+    model, tok = load_model(device="cpu", dtype=torch.float32), load_tokenizer()
+    want = [generate(model, tok, tok.encode(p), params_for(s)).token_ids for p, s in zip(PROMPTS, SPECS)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [params_for(s) for s in SPECS], use_tqdm=False)] == want
+    for engine in (LLM(max_model_len=512, num_kv_blocks=128, device="cpu", async_scheduling=True),
+                   LLM(max_model_len=512, num_kv_blocks=12, block_size=16, device="cpu", async_scheduling=True)):  # preempts
+        outs = engine.generate(PROMPTS, [params_for(s) for s in SPECS], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_sampled_choices_each_follow_the_schema(llm):
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=60, structured_outputs=SPECS[1])
+    out = llm.generate(["A person:"], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and follows(SPECS[1], c.text), c.text
+
+
+def test_bad_constraints_are_value_errors_that_name_the_problem(llm, tmp_path):
+    with pytest.raises(ValueError, match="structured_outputs"): SamplingParams(structured_outputs="[a-z]+")
+    with pytest.raises(ValueError, match="regex|pattern|position"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(regex="(ab")), use_tqdm=False)
+    d = save_tiny_model("llama", tmp_path / "tiny")  # weights and a config, no tokenizer
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(d), num_kv_blocks=16, device="cpu").generate([[1, 2]], params_for(SPECS[0]), use_tqdm=False)
+    model, tok = load_model(device="cpu", dtype=torch.float32), load_tokenizer()
+    with pytest.raises(ValueError, match="structured_outputs"):
+        speculative_generate(model, tok, tok.encode("x"), params_for(SPECS[0]))
+
+
+# --- the server ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def url():
+    server = make_server(port=0, max_model_len=512, num_kv_blocks=200, device="cpu", log_level="warning")
+    with run_in_thread(server) as u: yield u
+
+
+def test_the_server_takes_openais_and_vllms_names(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                       temperature=0, max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert follows(SPECS[1], r.choices[0].message.content), r.choices[0].message.content
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Give me JSON."}],
+                                       temperature=0, max_tokens=60, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].message.content), dict)
+    for extra, spec in (({"guided_regex": DATE}, SPECS[0]), ({"guided_choice": ["yes", "no", "maybe"]}, SPECS[2]),
+                        ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, SPECS[2]), ({"guided_json": SCHEMA}, SPECS[1])):
+        r = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=60, extra_body=extra)
+        assert follows(spec, r.choices[0].text), (extra, r.choices[0].text)
+    chunks = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=60, stream=True,
+                                       extra_body={"guided_regex": DATE})
+    assert follows(SPECS[0], "".join(c.choices[0].text for c in chunks))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "(ab"}, "guided_regex"),
+    ({"guided_regex": "a{5,2}"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": {"type": "object", "patternProperties": {"a": {}}}}, "guided_json"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, None),
+])
+def test_bad_structured_requests_are_400s(url, body, param):
+    r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert param is None or error["param"].split(".")[0] == param, error  # e.g. response_format.type
