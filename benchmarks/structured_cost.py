@@ -30,6 +30,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8}},
           "required": ["name", "age", "tags"]}
 REGEX = r"[A-Z][a-z]{2,12}( [a-z]{1,12}){5,40}\."
+KV_BLOCKS = 4096  # 65,536 positions: every request of the largest batch fits; a fixed pool, so that engines made one after another fit too
 SPECS = {"free": None, "json schema": StructuredOutputs(json=SCHEMA), "regex": StructuredOutputs(regex=REGEX)}
 
 
@@ -58,7 +59,8 @@ def check_equal(model: str, load_format: str, dtype, device: str, n: int = 16, m
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)] * n
     runs = {}
     for overlap in (False, True):
-        llm = LLM(model, load_format=load_format, dtype=dtype, device=device, max_model_len=1024, async_scheduling=overlap)
+        llm = LLM(model, load_format=load_format, dtype=dtype, device=device, max_model_len=1024, num_kv_blocks=KV_BLOCKS,
+                  async_scheduling=overlap)
         runs[overlap] = llm.generate(prompts(n), params, use_tqdm=False)
         del llm
     pattern = re.compile(spec.pattern(), re.DOTALL)
@@ -88,7 +90,7 @@ def main(argv=None):
                         "schema": SCHEMA, "regex": REGEX, "engine": "LLM defaults: async scheduling and CUDA graphs on"},
            "versions": {"torch": torch.__version__}}
     res["check"] = check_equal(args.model, args.load_format, dtype, args.device, min(16, max(args.batches)), min(96, args.max_tokens))
-    llm = LLM(args.model, load_format=args.load_format, dtype=dtype, device=args.device, max_model_len=1024)
+    llm = LLM(args.model, load_format=args.load_format, dtype=dtype, device=args.device, max_model_len=1024, num_kv_blocks=KV_BLOCKS)
     rows = []
     for batch in args.batches:
         ps = prompts(batch)
