@@ -326,7 +326,7 @@ def _step(self: LLMEngine) -> list:
     return self._process(*launched) if launched else []
 
 def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
-    """Per sampled row, the tokens its structured output allows now (chapter 6c), or None. A token still on its way from
+    """Per sampled row, the tokens its structured output allows now, as packed bits (chapter 6c), or None. A token still on its way from
     the step before decides the mask, so this waits for that step: with async scheduling, constrained rows cost the overlap."""
     rows = running.rows if running is not None else {}
     in_flight = running.result().token_ids.tolist() if any(r.constraint and r.seq in rows for r in reqs) else None
@@ -334,7 +334,7 @@ def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
     for req in reqs:
         c, mask = req.constraint, None
         if c is not None:
-            try: mask = c.constraint.allowed(c.state if req.seq not in rows else c.constraint.advance(c.state, in_flight[rows[req.seq]]))
+            try: mask = c.constraint.allowed_bits(c.state if req.seq not in rows else c.constraint.advance(c.state, in_flight[rows[req.seq]]))
             except ValueError as e: req.constraint_error = e  # an automaton past its size limit: this request fails, alone
             if mask is not None and not mask.any():  # a vocabulary without a byte the pattern needs (chapter 6c)
                 req.constraint_error, mask = ValueError("structured output: no token of the vocabulary continues the text"), None

@@ -7,8 +7,8 @@ __all__ = ['TOP_K_BY_SELECTION', 'SELECT_FROM_ROWS', 'MAX_LOGPROBS', 'MAX_LOGIT_
            'GENERATION_CONFIG_FIELDS', 'greedy_naive', 'selects', 'filter_logits', 'SamplingParams', 'choice_seed',
            'generation_defaults', 'generation_overrides', 'argmax_rows', 'make_generator', 'exponential_race',
            'to_device', 'TokenHistory', 'token_counts', 'apply_penalties', 'stop_tokens', 'ban_tokens',
-           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'allow_tokens',
-           'decisive_logits', 'sampling_probs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
+           'apply_logit_bias', 'SamplingTensors', 'SamplerOutput', 'token_logprobs', 'with_logprobs', 'unpack_bits',
+           'allow_tokens', 'decisive_logits', 'sampling_probs', 'sample', 'find_stop', 'StopCheck', 'check_stop']
 
 # %% ../chapters/06b_sampling.ipynb #d4ad6abd
 import itertools, math, reprlib
@@ -330,14 +330,21 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list) -
     return SamplerOutput(token_ids) if n is None else token_logprobs(logits, token_ids, n)
 
 # %% ../chapters/06b_sampling.ipynb #ccaa9421
+def unpack_bits(bits: torch.Tensor, V: int) -> torch.Tensor:  # (R, ceil(V / 8)) uint8 -> (R, V) bool
+    "Masks from rows of bits, token i in bit i % 8 of byte i // 8 (numpy's packbits with bitorder='little')."
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits[:, :, None] >> shifts & 1).bool().flatten(1)[:, :V]
+
 def allow_tokens(logits: torch.Tensor, allowed: list) -> torch.Tensor:
-    "Logits (B, V) with every token outside each row's `allowed` mask (a bool (V,) tensor, or None: all) set to -inf, in place."
+    """Logits (B, V) with every token outside each row's `allowed` mask set to -inf, in place. A mask is a bool (V,) tensor,
+    or its bits packed as unpack_bits reads them (8 times fewer bytes to copy to a GPU), or None: every token."""
     rows = [row for row, mask in enumerate(allowed) if mask is not None]
     if not rows: return logits
-    masks = torch.stack([allowed[row] for row in rows])  # (rows, V)
-    if masks.dtype != torch.bool or masks.shape[1] != logits.shape[-1]:
-        raise ValueError(f"allowed-token masks must be bool ({logits.shape[-1]},) tensors; got {masks.dtype} {tuple(masks.shape[1:])}")
-    masks = to_device(masks, logits.device)  # one copy per step
+    V = logits.shape[-1]
+    bits = [m if isinstance(m, np.ndarray) else np.packbits(m.cpu().numpy(), bitorder="little") for m in (allowed[r] for r in rows)]
+    if any(b.dtype != np.uint8 or b.shape != ((V + 7) // 8,) for b in bits):
+        raise ValueError(f"allowed-token masks must be bool ({V},) tensors or their packed bits; got {[b.shape for b in bits][:3]}")
+    masks = unpack_bits(to_device(torch.from_numpy(np.stack(bits)), logits.device), V)  # one copy per step: (rows, V)
     where = to_device(torch.tensor(rows), logits.device)
     logits[where] = logits[where].masked_fill(~masks, -math.inf)
     return logits

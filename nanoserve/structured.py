@@ -363,7 +363,7 @@ DFA.intern, DFA.build_row, DFA.rows, DFA.step = _intern, _build_row, _rows, _ste
 
 # %% ../chapters/06c_structured_output.ipynb #st000037
 FINAL = -1              # the state after an EOS token in an accepting state: only EOS may follow
-MASK_CACHE_SIZE = 256   # allowed-token masks kept per constraint (V bools each), the least recently used dropped first
+MASK_CACHE_SIZE = 4096  # allowed-token masks kept per constraint, the least recently used dropped first; as bits: V/8 bytes each
 
 class TokenConstraint:
     """The tokens a model may draw so that its output stays a prefix of a match of `pattern`, and ends only on a match.
@@ -379,9 +379,10 @@ class TokenConstraint:
         self.token_bytes, self.start, self.lock = token_bytes, self.dfa.start, threading.Lock()
         if not self.dfa.sets[self.start]: raise ValueError(f"regex {reprlib.repr(pattern)} matches no text at all")
         self.ids, self.bytes, self.active = vocabulary_matrix(token_bytes)
-        self.masks = OrderedDict()  # state -> bool (V,) tensor
-        self.final_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        self.final_mask[self.eos_token_ids] = True
+        self.masks = OrderedDict()  # state -> its mask's bits, packed: uint8 (ceil(V / 8),), each byte's lowest bit first
+        final = np.zeros(self.vocab_size, bool)
+        final[self.eos_token_ids] = True
+        self.final_bits = np.packbits(final, bitorder="little")
 
 # %% ../chapters/06c_structured_output.ipynb #st000038
 _MATRICES = OrderedDict()  # id(token_bytes) -> (token_bytes, ids, bytes, active): one copy per vocabulary, for all its constraints
@@ -419,23 +420,29 @@ def _walk(self: TokenConstraint, state: int) -> np.ndarray:
         cur[:n] = table[cur[:n], self.bytes[:n, j]]
     return cur
 
-def _allowed(self: TokenConstraint, state: int) -> torch.Tensor:
-    """A bool (V,) CPU tensor of the tokens that may follow `state`: those that keep the text a prefix of a match (never
-    one that leads to the dead state), and the EOS ids iff the text is a match. Cached per state: do not modify it. It
-    can be all False only when the vocabulary lacks bytes the pattern needs (not with every single byte a token, as
-    byte-level BPE has them): the caller decides then, e.g. ends the request with an error."""
+def _allowed_bits(self: TokenConstraint, state: int) -> np.ndarray:
+    """The tokens that may follow `state`, as bits: uint8 (ceil(V / 8),), token i in bit i % 8 of byte i // 8 (np.packbits'
+    bitorder="little"). Allowed: the tokens that keep the text a prefix of a match (never one that leads to the dead state),
+    and the EOS ids iff the text is a match. Cached per state: do not modify it. It can be all zero only when the
+    vocabulary lacks bytes the pattern needs (not with every single byte a token, as byte-level BPE has them): the caller
+    decides then, e.g. ends the request with an error."""
     state = self._check_state(state)
-    if state == FINAL: return self.final_mask
+    if state == FINAL: return self.final_bits
     with self.lock:
-        if (mask := self.masks.get(state)) is not None: self.masks.move_to_end(state); return mask
+        if (bits := self.masks.get(state)) is not None: self.masks.move_to_end(state); return bits
         ok = np.zeros(self.vocab_size, bool)
         ok[self.ids[self._walk(state) != DEAD]] = True
         ok[self.eos_token_ids] = self.dfa.accepting[state]  # whatever their bytes
-        mask = self.masks[state] = torch.from_numpy(ok)
+        bits = self.masks[state] = np.packbits(ok, bitorder="little")  # 8 times smaller to keep, and to copy to a GPU
         if len(self.masks) > MASK_CACHE_SIZE: self.masks.popitem(last=False)
-    return mask
+    return bits
 
-TokenConstraint._check_state, TokenConstraint._walk, TokenConstraint.allowed = _check_state, _walk, _allowed
+def _allowed(self: TokenConstraint, state: int) -> torch.Tensor:
+    "The same tokens as a bool (V,) CPU tensor."
+    return torch.from_numpy(np.unpackbits(self.allowed_bits(state), count=self.vocab_size, bitorder="little").view(bool))
+
+TokenConstraint._check_state, TokenConstraint._walk = _check_state, _walk
+TokenConstraint.allowed_bits, TokenConstraint.allowed = _allowed_bits, _allowed
 
 # %% ../chapters/06c_structured_output.ipynb #st000040
 def _advance(self: TokenConstraint, state: int, token_id: int) -> int:
@@ -805,6 +812,7 @@ class ConstraintState:
     "Where one sequence's output stands in a TokenConstraint."
     def __init__(self, constraint: TokenConstraint): self.constraint, self.state = constraint, constraint.start
     def allowed(self) -> torch.Tensor: return self.constraint.allowed(self.state)
+    def allowed_bits(self) -> np.ndarray: return self.constraint.allowed_bits(self.state)
     def advance(self, token_id: int) -> int:
         self.state = self.constraint.advance(self.state, token_id)
         return self.state

@@ -220,7 +220,8 @@ def test_eos_and_refused_tokens(vocab):
 def test_empty_and_none_tokens_are_never_allowed():
     c = TokenConstraint("a*", [b"a", b"", None, b"aa", b"b", b"<eos>"], [5])
     assert c.allowed(c.start).tolist() == [True, False, False, True, False, True]
-    assert c.allowed(c.start) is c.allowed(c.start)  # cached
+    assert c.allowed_bits(c.start) is c.allowed_bits(c.start)  # cached, as bits
+    assert c.allowed(c.start).tolist() == np.unpackbits(c.allowed_bits(c.start), count=6, bitorder="little").astype(bool).tolist()
 
 
 def test_masks_can_be_empty_when_the_vocabulary_lacks_a_byte():

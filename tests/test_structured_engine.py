@@ -1,5 +1,5 @@
 "Structured output (chapter 6c) in chapter 7's generate, the engine (11b) and the server (12b/12c)."
-import json, re
+import json, math, re
 
 import httpx
 import openai
@@ -79,6 +79,22 @@ def test_bad_constraints_are_value_errors_that_name_the_problem(llm, tmp_path):
     model, tok = load_model(device="cpu", dtype=torch.float32), load_tokenizer()
     with pytest.raises(ValueError, match="structured_outputs"):
         speculative_generate(model, tok, tok.encode("x"), params_for(SPECS[0]))
+
+
+def test_packed_masks_mask_as_bool_masks_do():
+    "Chapter 6b's allow_tokens: bits packed by numpy and bool tensors give the same logits, rows without a mask untouched."
+    import numpy as np
+    from nanoserve.sampling import allow_tokens
+    g = torch.Generator().manual_seed(0)
+    for V in (5, 8, 13, 49152):
+        logits, masks = torch.randn(3, V, generator=g), torch.rand(3, V, generator=g) < 0.3
+        as_bool = allow_tokens(logits.clone(), [masks[0], None, masks[2]])
+        as_bits = allow_tokens(logits.clone(), [np.packbits(masks[0].numpy(), bitorder="little"), None,
+                                                 np.packbits(masks[2].numpy(), bitorder="little")])
+        want = logits.clone()
+        want[0][~masks[0]] = want[2][~masks[2]] = -math.inf
+        assert torch.equal(as_bool, want) and torch.equal(as_bits, want)
+    with pytest.raises(ValueError, match="masks"): allow_tokens(torch.zeros(1, 16), [np.zeros(3, np.uint8)])
 
 
 # --- the server ------------------------------------------------------------------------------------------------------
