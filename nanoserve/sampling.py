@@ -162,6 +162,9 @@ class SamplingParams:
         elif name == "logit_bias": value = _logit_bias(value)
         elif name == "structured_outputs" and not (value is None or callable(getattr(value, "pattern", None))):
             raise ValueError(f"structured_outputs={reprlib.repr(value)}: expected None or a StructuredOutputs (chapter 6c)")
+        if (name == "structured_outputs" and value is not None and getattr(self, "min_tokens", 0)
+                or name == "min_tokens" and value and getattr(self, "structured_outputs", None) is not None):
+            raise ValueError("min_tokens with structured_outputs: an output that is complete early could draw no token at all")
         if name == "min_tokens" and value > self.max_tokens:  # max_tokens comes first, also in dataclasses.replace
             raise ValueError(f"min_tokens={value}: expected at most max_tokens={self.max_tokens}")
         if name == "max_tokens" and value < getattr(self, "min_tokens", 0):  # a later assignment

@@ -71,6 +71,7 @@ def test_sampled_choices_each_follow_the_schema(llm):
 
 def test_bad_constraints_are_value_errors_that_name_the_problem(llm, tmp_path):
     with pytest.raises(ValueError, match="structured_outputs"): SamplingParams(structured_outputs="[a-z]+")
+    with pytest.raises(ValueError, match="min_tokens"): SamplingParams(min_tokens=1, structured_outputs=SPECS[0])
     with pytest.raises(ValueError, match="regex|pattern|position"):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(regex="(ab")), use_tqdm=False)
     d = save_tiny_model("llama", tmp_path / "tiny")  # weights and a config, no tokenizer
@@ -133,6 +134,7 @@ def test_the_server_takes_openais_and_vllms_names(url):
     ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, None),
+    ({"guided_regex": "a+", "min_tokens": 2}, None),  # a complete match could leave nothing to draw
 ])
 def test_bad_structured_requests_are_400s(url, body, param):
     r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2, **body}, timeout=60)
