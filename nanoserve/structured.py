@@ -7,11 +7,12 @@ __all__ = ['MAX_CODEPOINT', 'ANY', 'DIGIT', 'WORD', 'SPACE', 'CLASS_ESCAPES', 'C
            'UTF8_LIMITS', 'MAX_NFA_STATES', 'DEAD', 'MAX_DFA_STATES', 'FINAL', 'MASK_CACHE_SIZE', 'REGEX_SPECIAL',
            'SEPARATORS', 'JSON_RAW', 'STRING_CHAR', 'JSON_STRING', 'JSON_INTEGER', 'JSON_NUMBER', 'JSON_SCALARS',
            'ANY_DEPTH', 'JSON_OBJECT_DEPTH', 'ANNOTATIONS', 'TYPE_KEYWORDS', 'KEYWORDS', 'STRING_FORMATS',
-           'MAX_PRODUCT_STATES', 'normalize', 'complement', 'intersect', 'RegexParser', 'parse_regex', 'utf8_sequences',
-           'NFA', 'DFA', 'TokenConstraint', 'vocabulary_matrix', 'vocabulary_bytes', 'escape_char', 'regex_escape',
-           'to_regex', 'restrict', 'json_array', 'json_value', 'json_object', 'json_literal', 'has_type',
-           'json_schema_regex', 'SchemaCompiler', 'overlap', 'StructuredOutputs', 'check_choice', 'canonical_schema',
-           'checked', 'spec_pattern', 'compile_structured', 'ConstraintState', 'greedy_structured']
+           'INTEGER_LIMIT', 'MAX_PRODUCT_STATES', 'normalize', 'complement', 'intersect', 'RegexParser', 'parse_regex',
+           'utf8_sequences', 'NFA', 'DFA', 'TokenConstraint', 'vocabulary_matrix', 'vocabulary_bytes', 'escape_char',
+           'regex_escape', 'to_regex', 'restrict', 'json_array', 'json_value', 'json_object', 'json_literal',
+           'has_type', 'json_schema_regex', 'SchemaCompiler', 'digits_range', 'integer_range', 'overlap',
+           'StructuredOutputs', 'check_choice', 'canonical_schema', 'checked', 'spec_pattern', 'compile_structured',
+           'ConstraintState', 'greedy_structured']
 
 # %% ../chapters/06c_structured_output.ipynb #st000004
 import json, math, reprlib, threading
@@ -546,7 +547,8 @@ def json_object(value: str) -> str:
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})  # no effect on which values are valid
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"}, "array": {"items", "minItems", "maxItems"},
-                 "string": {"minLength", "maxLength", "pattern", "format"}}
+                 "string": {"minLength", "maxLength", "pattern", "format"},
+                 "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}}  # a number's bounds: see numeric
 KEYWORDS = ANNOTATIONS | {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"} | set().union(*TYPE_KEYWORDS.values())
 STRING_FORMATS = {
     "date": r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
@@ -609,6 +611,7 @@ def _typed(self: SchemaCompiler, s: dict, t: str, where: str) -> str:
         lo, hi = self.count(s, "minItems", where, 0), self.count(s, "maxItems", where, None)
         return json_array(self.regex(s.get("items", True), f"{where}/items"), lo, hi)
     if t == "string": return self.string(s, where)
+    if t in ("integer", "number"): return self.numeric(s, t, where)
     return JSON_SCALARS[t]
 
 def _count(self: SchemaCompiler, s: dict, key: str, where: str, default):
@@ -621,6 +624,48 @@ def _count(self: SchemaCompiler, s: dict, key: str, where: str, default):
     return v
 
 SchemaCompiler.typed, SchemaCompiler.count = _typed, _count
+
+# %% ../chapters/06c_structured_output.ipynb #st000054b
+def digits_range(lo: str, hi: str) -> str:
+    "A regex for the digit strings from lo to hi, both of one length: fixed digits while they agree, then three branches."
+    k = len(lo) - 1
+    if lo == hi: return lo
+    if lo[0] == hi[0]: return lo[0] + digits_range(lo[1:], hi[1:])
+    tail = "" if k == 0 else "[0-9]" if k == 1 else f"[0-9]{{{k}}}"
+    low_full, high_full = lo[1:] == "0" * k, hi[1:] == "9" * k  # lo's (hi's) first digit then takes any rest
+    first, last = int(lo[0]) + (not low_full), int(hi[0]) - (not high_full)
+    parts = [] if low_full else [lo[0] + digits_range(lo[1:], "9" * k)]  # lo's first digit, then lo's rest or more
+    if first <= last: parts.append((str(first) if first == last else f"[{first}-{last}]") + tail)  # any rest
+    if not high_full: parts.append(hi[0] + digits_range("0" * k, hi[1:]))  # hi's first digit, then hi's rest or less
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+def integer_range(lo: int, hi: int) -> str:
+    "A regex for the integers lo..hi as JSON writes them: no leading zeros, a minus before the negative ones."
+    def naturals(a: int, b: int) -> list:  # a..b, both >= 0, one branch per number of digits
+        spans = [(max(a, 10 ** (n - 1) if n > 1 else 0), min(b, 10 ** n - 1)) for n in range(len(str(a)), len(str(b)) + 1)]
+        return [digits_range(str(x), str(y)) for x, y in spans if x <= y]
+    parts = [f"-(?:{'|'.join(naturals(max(1, -hi), -lo))})"] if lo < 0 else []
+    parts += naturals(max(0, lo), hi) if hi >= 0 else []
+    return "|".join(parts)
+
+INTEGER_LIMIT = 10 ** 16 - 1  # JSON_INTEGER's largest: 16 digits
+
+def _numeric(self: SchemaCompiler, s: dict, t: str, where: str) -> str:
+    "A regex for the integers (or numbers) that `s` allows, within its minimum and maximum, exclusive or not."
+    bounds = {k: s[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in s}
+    for k, v in bounds.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v): raise self.error(where, f"{k}={v!r}: expected a number")
+    if not bounds: return JSON_SCALARS[t]
+    if t == "number":  # a regex for the decimals above 0.1, say, is possible but long; non-negative ones are common and short
+        if bounds == {"minimum": 0}: return JSON_NUMBER.removeprefix("-?")
+        raise self.error(where, f"{', '.join(bounds)} on a number: only minimum 0 is supported (an integer takes any bounds)")
+    lows = [math.ceil(v) if k == "minimum" else math.floor(v) + 1 for k, v in bounds.items() if k in ("minimum", "exclusiveMinimum")]
+    highs = [math.floor(v) if k == "maximum" else math.ceil(v) - 1 for k, v in bounds.items() if k in ("maximum", "exclusiveMaximum")]
+    lo, hi = max(lows + [-INTEGER_LIMIT]), min(highs + [INTEGER_LIMIT])
+    if lo > hi: raise self.error(where, f"no integer of at most 16 digits satisfies {bounds}")
+    return integer_range(lo, hi)
+
+SchemaCompiler.numeric = _numeric
 
 # %% ../chapters/06c_structured_output.ipynb #st000055
 def _string(self: SchemaCompiler, s: dict, where: str) -> str:

@@ -113,7 +113,7 @@ def test_generate_starts_from_the_models_generation_config(tmp_path, capsys):
     (["--prompt", "hi", "--regex", "(ab"], "unbalanced parenthesis"),
     (["--prompt", "hi", "--regex", "a+", "--choice", "a"], "not allowed with argument --regex"),
     (["--prompt", "hi", "--json-schema", "[1]"], "expected a JSON object such as"),
-    (["--prompt", "hi", "--json-schema", '{"type": "integer", "minimum": 3}'], "minimum"),
+    (["--prompt", "hi", "--json-schema", '{"type": "number", "minimum": 3}'], "minimum on a number"),
     (["--prompt", "hi", "--regex", "a+", "--speculative-tokens", "2"], "structured_outputs"),
 ])
 def test_generate_bad_arguments_exit_2_with_one_line(args, message):

@@ -5,7 +5,7 @@ import pytest, torch
 from hypothesis import given, settings, strategies as st
 
 from nanoserve.structured import (DEAD, DFA, FINAL, JSON_OBJECT_DEPTH, NFA, ConstraintState, StructuredOutputs, TokenConstraint,
-                                  compile_structured, greedy_structured, json_schema_regex, parse_regex, utf8_sequences,
+                                  compile_structured, greedy_structured, integer_range, json_schema_regex, parse_regex, utf8_sequences,
                                   vocabulary_bytes)
 from nanoserve.tokenizer import load_tokenizer
 
@@ -260,6 +260,9 @@ def valid(v, s, root) -> bool:
                  "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
                  "array": lambda: isinstance(v, list), "object": lambda: isinstance(v, dict)}
         if not any(kinds[t]() for t in ([types] if isinstance(types, str) else types)): return False
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if v < s.get("minimum", -math.inf) or v > s.get("maximum", math.inf): return False
+        if v <= s.get("exclusiveMinimum", -math.inf) or v >= s.get("exclusiveMaximum", math.inf): return False
     if isinstance(v, str):
         if not s.get("minLength", 0) <= len(v) <= s.get("maxLength", math.inf): return False
         if "pattern" in s and not re.search(s["pattern"], v): return False
@@ -278,6 +281,16 @@ def valid(v, s, root) -> bool:
             sub = props.get(k, s.get("additionalProperties", True))
             if sub is False or not valid(x, sub, root): return False
     return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-10**16 + 1, 10**16 - 1), st.integers(0, 10**17), st.integers(-10**6, 10**6))
+def test_integer_ranges_match_exactly_the_integers_between_their_bounds(lo, width, probe):
+    hi = min(lo + width, 10**16 - 1)
+    pattern = re.compile(integer_range(lo, hi))
+    for x in (lo - 1, lo, lo + 1, hi - 1, hi, hi + 1, probe, lo + probe % (hi - lo + 1), 0, 9, 10, -1, -10):
+        assert bool(pattern.fullmatch(str(x))) == (lo <= x <= hi), (lo, hi, x)
+    assert not any(pattern.fullmatch(t) for t in ("", "-0", "00", "01", "-01", "+1"))
 
 
 def test_the_validator_rejects_what_it_should():
@@ -309,6 +322,10 @@ SCHEMAS = {
     "closed": {"type": "object", "additionalProperties": False},
     "non-ascii": {"type": "object", "properties": {"città": {"type": "string", "pattern": "^[а-я ]{1,8}$"}}, "required": ["città"]},
     "all of one": {"allOf": [{"type": "string", "maxLength": 2}], "title": "short"},
+    "bounds": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                                "t": {"type": "integer", "exclusiveMinimum": -40.5, "exclusiveMaximum": 61},
+                                                "big": {"type": "integer", "minimum": 123456789012}, "w": {"type": "number", "minimum": 0}},
+               "required": ["age", "t", "big", "w"]},
 }
 
 
@@ -343,7 +360,8 @@ def test_json_object_walks_produce_objects(vocab, tok):
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "integer", "minimum": 0}, "'minimum'"), ({"type": "object", "patternProperties": {}}, "'patternProperties'"),
+    ({"type": "number", "minimum": 1}, "minimum on a number"), ({"type": "object", "patternProperties": {}}, "'patternProperties'"),
+    ({"type": "integer", "minimum": 5, "exclusiveMaximum": 5}, "no integer"), ({"type": "integer", "maximum": "3"}, "maximum='3'"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems'"), ({"type": "string", "format": "email"}, "format='email'"),
     ({"$ref": "#"}, "recursive"), ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}, "recursive"),
     ({"$ref": "#/$defs/missing"}, "names nothing"), ({"$ref": "https://example.com/s.json"}, "local"),
@@ -373,7 +391,7 @@ def test_choice_walks_give_a_choice(tok, vocab):
     ({"choice": []}, "choice=[]"), ({"choice": "ab"}, "choice='ab'"), ({"choice": ["a", 2]}, "choice[1]=2"),
     ({"json": "{nope"}, "not valid JSON"), ({"json": [1]}, "json=[1]"), ({"json": {"a": {1, 2}}}, "not JSON"),
     ({"json_object": "yes"}, "json_object='yes'"), ({"regex": "a{5,1}"}, "below the minimum"),
-    ({"json": {"type": "integer", "maximum": 3}}, "'maximum'"),
+    ({"json": {"type": "number", "maximum": 3}}, "maximum on a number"),
 ])
 def test_structured_outputs_refuse_bad_values(kwargs, message):
     with pytest.raises(ValueError) as e: StructuredOutputs(**kwargs)
