@@ -413,13 +413,19 @@ def _check_state(self: TokenConstraint, state) -> int:
     return int(state)
 
 def _walk(self: TokenConstraint, state: int) -> np.ndarray:
-    "Every drawable token's end state from `state`: all tokens read their j-th byte together, for j = 0, 1, ..."
-    cur = np.full(len(self.ids), state, np.int32)  # (N,)
+    """Every drawable token's end state from `state` (DEAD: it cannot follow): all tokens read their j-th byte together,
+    for j = 0, 1, ..., and a token drops out as soon as it dies, as a walk down a trie of the vocabulary would prune it."""
+    end = np.zeros(len(self.ids), np.int32)  # (N,) DEAD, unless a token survives all its bytes
+    rows, cur = np.arange(len(self.ids)), np.full(len(self.ids), state, np.int32)  # the tokens still reading, and their states
     for j, n in enumerate(self.active):
-        if not cur[:n].any(): break  # all dead (DEAD is 0): nothing more can live
-        table = self.dfa.rows(cur[:n])  # builds the rows of the states reached, first
-        cur[:n] = table[cur[:n], self.bytes[:n, j]]
-    return cur
+        done = rows >= n  # no j-th byte (the longest tokens come first): finished, alive
+        end[rows[done]] = cur[done]
+        rows, cur = rows[~done], cur[~done]
+        if not len(rows): return end
+        cur = self.dfa.rows(cur)[cur, self.bytes[rows, j]]  # builds the rows of the states reached, first
+        rows, cur = rows[cur != DEAD], cur[cur != DEAD]
+    end[rows] = cur  # the longest tokens, alive to their last byte
+    return end
 
 def _allowed_bits(self: TokenConstraint, state: int) -> np.ndarray:
     """The tokens that may follow `state`, as bits: uint8 (ceil(V / 8),), token i in bit i % 8 of byte i // 8 (np.packbits'
