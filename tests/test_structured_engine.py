@@ -124,6 +124,15 @@ def test_the_server_takes_openais_and_vllms_names(url):
     assert follows(SPECS[0], "".join(c.choices[0].text for c in chunks))
 
 
+def test_the_engine_process_takes_structured_requests_too():
+    "nanoserve serve's default: the engine in a process of its own, StructuredOutputs crossing the pipe in SamplingParams."
+    server = make_server(port=0, max_model_len=512, num_kv_blocks=64, device="cpu", log_level="warning", engine_process=True)
+    with run_in_thread(server) as u:
+        r = httpx.post(f"{u}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0,
+                                                    "structured_outputs": {"regex": DATE}}, timeout=120)
+        assert r.status_code == 200 and follows(SPECS[0], r.json()["choices"][0]["text"]), r.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"guided_regex": "(ab"}, "guided_regex"),
     ({"guided_regex": "a{5,2}"}, "guided_regex"),
