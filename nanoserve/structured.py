@@ -4,15 +4,15 @@
 
 # %% auto #0
 __all__ = ['MAX_CODEPOINT', 'ANY', 'DIGIT', 'WORD', 'SPACE', 'CLASS_ESCAPES', 'CHAR_ESCAPES', 'REFUSED_ESCAPES', 'MAX_REPEAT',
-           'UTF8_LIMITS', 'MAX_NFA_STATES', 'DEAD', 'MAX_DFA_STATES', 'FINAL', 'MASK_CACHE_SIZE', 'REGEX_SPECIAL',
-           'SEPARATORS', 'JSON_RAW', 'STRING_CHAR', 'JSON_STRING', 'JSON_INTEGER', 'JSON_NUMBER', 'JSON_SCALARS',
-           'ANY_DEPTH', 'JSON_OBJECT_DEPTH', 'ANNOTATIONS', 'TYPE_KEYWORDS', 'KEYWORDS', 'STRING_FORMATS',
-           'INTEGER_LIMIT', 'MAX_PRODUCT_STATES', 'normalize', 'complement', 'intersect', 'RegexParser', 'parse_regex',
-           'utf8_sequences', 'NFA', 'DFA', 'TokenConstraint', 'vocabulary_matrix', 'vocabulary_bytes', 'escape_char',
-           'regex_escape', 'to_regex', 'restrict', 'json_array', 'json_value', 'json_object', 'json_literal',
-           'has_type', 'json_schema_regex', 'SchemaCompiler', 'digits_range', 'integer_range', 'overlap',
-           'StructuredOutputs', 'check_choice', 'canonical_schema', 'checked', 'spec_pattern', 'compile_structured',
-           'ConstraintState', 'greedy_structured']
+           'MAX_PATTERN_CHARS', 'MAX_NESTING', 'UTF8_LIMITS', 'MAX_NFA_STATES', 'DEAD', 'MAX_DFA_STATES', 'FINAL',
+           'MASK_CACHE_SIZE', 'REGEX_SPECIAL', 'SEPARATORS', 'JSON_RAW', 'STRING_CHAR', 'JSON_STRING', 'JSON_INTEGER',
+           'JSON_NUMBER', 'JSON_SCALARS', 'ANY_DEPTH', 'JSON_OBJECT_DEPTH', 'ANNOTATIONS', 'TYPE_KEYWORDS', 'KEYWORDS',
+           'STRING_FORMATS', 'INTEGER_LIMIT', 'MAX_ONE_OF', 'MAX_PRODUCT_STATES', 'normalize', 'complement',
+           'intersect', 'RegexParser', 'parse_regex', 'utf8_sequences', 'NFA', 'DFA', 'TokenConstraint',
+           'vocabulary_matrix', 'vocabulary_bytes', 'escape_char', 'regex_escape', 'to_regex', 'restrict', 'json_array',
+           'json_value', 'json_object', 'json_literal', 'has_type', 'json_schema_regex', 'SchemaCompiler',
+           'digits_range', 'integer_range', 'overlap', 'StructuredOutputs', 'check_choice', 'canonical_schema',
+           'checked', 'spec_pattern', 'compile_structured', 'ConstraintState', 'greedy_structured']
 
 # %% ../chapters/06c_structured_output.ipynb #st000004
 import json, math, reprlib, threading
@@ -57,6 +57,8 @@ REFUSED_ESCAPES = {"b": "word boundaries (\\b)", "B": "word boundaries (\\B)", "
                    "z": "anchors (\\z)", "p": "Unicode properties (\\p)", "P": "Unicode properties (\\P)", "0": "octal escapes",
                    "N": "named characters (\\N)", "G": "\\G", "k": "backreferences (\\k)"}
 MAX_REPEAT = 1000  # the largest count a {m,n} may name
+MAX_PATTERN_CHARS = 100_000  # the longest regex, given or made from a schema: a request cannot make the server build a huge one
+MAX_NESTING = 100  # groups within groups, and schemas within schemas: deeper is refused, before Python's recursion limit
 
 # %% ../chapters/06c_structured_output.ipynb #st000012
 class RegexParser:
@@ -64,7 +66,8 @@ class RegexParser:
     Python's syntax, with \\d \\w \\s in their ASCII meaning (re.ASCII)."""
     def __init__(self, pattern: str):
         if not isinstance(pattern, str): raise ValueError(f"regex={reprlib.repr(pattern)}: expected a string")
-        self.pattern, self.i = pattern, 0
+        if len(pattern) > MAX_PATTERN_CHARS: raise ValueError(f"regex of {len(pattern)} characters: at most {MAX_PATTERN_CHARS} are supported")
+        self.pattern, self.i, self.depth = pattern, 0, 0
 
     def error(self, what: str, at: int | None = None) -> ValueError:
         return ValueError(f"regex {reprlib.repr(self.pattern)} at position {self.i if at is None else at}: {what}")
@@ -108,8 +111,9 @@ def _quantifier(self: RegexParser) -> tuple | None:
     end = self.pattern.find("}", start)
     body = self.pattern[start + 1:end] if end > 0 else ""
     lo, comma, hi = body.partition(",")
-    if end < 0 or not (lo.isdigit() or (comma and not lo)) or not (hi.isdigit() or not hi) or not (lo or hi):
-        return None  # as in Python: "a{" and "a{x}" are literal text
+    digits = lambda s: s.isascii() and s.isdigit()  # "٣" is a digit to str.isdigit, and not to re
+    if end < 0 or not (digits(lo) or (comma and not lo)) or not (digits(hi) or not hi) or not (lo or hi or comma):
+        return None  # as in Python: "a{" and "a{x}" are literal text; "a{,}" is "a*"
     m, n = int(lo or 0), (int(hi) if hi else None) if comma else int(lo)
     if max(m, n or 0) > MAX_REPEAT: raise self.error(f"repetition count {max(m, n or 0)} is above {MAX_REPEAT}")
     if n is not None and n < m: raise self.error(f"{{{body}}}: the maximum {n} is below the minimum {m}")
@@ -136,7 +140,10 @@ def _atom(self: RegexParser) -> tuple:
         if self.peek() == "?":
             if self.peek(1) != ":": raise self.error(f"only (...) and (?:...) groups are supported (no lookaround, flags or names): {self.pattern[start:start + 4]!r}...", start)
             self.i += 2
+        self.depth += 1
+        if self.depth > MAX_NESTING: raise self.error(f"groups nested more than {MAX_NESTING} deep", start)
         node = self.alternation()
+        self.depth -= 1
         if self.peek() != ")": raise self.error("unbalanced parenthesis: '(' is never closed", start)
         self.i += 1
         return node
@@ -360,11 +367,21 @@ def _step(self: DFA, s: int, data: bytes) -> int:
         s = int(self.table[s, byte])
     return s
 
-DFA.intern, DFA.build_row, DFA.rows, DFA.step = _intern, _build_row, _rows, _step
+def _build_all(self: DFA) -> int:
+    "Build every state the start reaches (a ValueError past max_states); the number of states. A served pattern is built whole."
+    todo = [self.start]
+    while todo:
+        s = todo.pop()
+        if self.built[s]: continue
+        self.build_row(s)
+        todo += [t for t in np.unique(self.table[s]).tolist() if t != DEAD and not self.built[t]]
+    return len(self.sets)
+
+DFA.intern, DFA.build_row, DFA.rows, DFA.step, DFA.build_all = _intern, _build_row, _rows, _step, _build_all
 
 # %% ../chapters/06c_structured_output.ipynb #st000037
 FINAL = -1              # the state after an EOS token in an accepting state: only EOS may follow
-MASK_CACHE_SIZE = 4096  # allowed-token masks kept per constraint, the least recently used dropped first; as bits: V/8 bytes each
+MASK_CACHE_SIZE = 2048  # allowed-token masks kept per constraint, the least recently used dropped first; as bits: V/8 bytes each
 
 class TokenConstraint:
     """The tokens a model may draw so that its output stays a prefix of a match of `pattern`, and ends only on a match.
@@ -374,6 +391,7 @@ class TokenConstraint:
                  eos_token_ids,      # the ids that end the text (their bytes are ignored): allowed exactly where the text is a match
                  max_states: int = MAX_DFA_STATES):
         self.pattern, self.dfa, self.vocab_size = pattern, DFA(pattern, max_states), len(token_bytes)
+        self.dfa.build_all()  # now, within max_states: never a failure in the middle of a generation
         self.eos_token_ids = sorted({int(i) for i in eos_token_ids})
         if not self.eos_token_ids or not all(0 <= i < self.vocab_size for i in self.eos_token_ids):
             raise ValueError(f"eos_token_ids={reprlib.repr(eos_token_ids)}: expected at least one token id below {self.vocab_size}")
@@ -588,7 +606,14 @@ class SchemaCompiler:
     def error(self, where: str, what: str) -> ValueError: return ValueError(f"JSON schema at {where}: {what}")
 
     def regex(self, s, where: str) -> str:
-        "A regex for the subschema `s` found at the JSON pointer `where`."
+        "A regex for the subschema `s` found at the JSON pointer `where`, of at most MAX_PATTERN_CHARS characters."
+        if len(self.refs) + where.count("/") > 2 * MAX_NESTING: raise self.error(where, f"schemas nested more than {MAX_NESTING} deep")
+        r = self.regex_of(s, where)
+        if len(r) > MAX_PATTERN_CHARS:  # each level of arrays, objects or repeated $refs copies what it holds: stop early
+            raise self.error(where, f"its regex would be longer than {MAX_PATTERN_CHARS} characters (nesting and $refs copy a schema's regex)")
+        return r
+
+    def regex_of(self, s, where: str) -> str:
         if s is True or s == {}: return json_value(ANY_DEPTH)
         if s is False: raise self.error(where, "the schema false allows no value")
         if not isinstance(s, dict): raise self.error(where, f"{reprlib.repr(s)} is not a schema")
@@ -757,8 +782,12 @@ def _branches(self: SchemaCompiler, schemas, key: str, where: str) -> list:
 def _any_of(self: SchemaCompiler, schemas, where: str) -> str:
     return "|".join(f"(?:{r})" for r in self.branches(schemas, "anyOf", where))
 
+MAX_ONE_OF = 8  # branches of a oneOf
+
 def _one_of(self: SchemaCompiler, schemas, where: str) -> str:
     "anyOf, after checking that no JSON text matches two branches (oneOf wants exactly one)."
+    if isinstance(schemas, list) and len(schemas) > MAX_ONE_OF:  # every pair is checked: the cost grows with the square
+        raise self.error(where, f"oneOf with {len(schemas)} branches: at most {MAX_ONE_OF} are supported; use anyOf")
     regexes = self.branches(schemas, "oneOf", where)
     for i in range(len(regexes)):
         for j in range(i + 1, len(regexes)):
@@ -806,7 +835,8 @@ class StructuredOutputs:
         if self.regex is not None and not isinstance(self.regex, str): raise ValueError(f"regex={reprlib.repr(self.regex)}: expected a string")
         if self.choice is not None: object.__setattr__(self, "choice", check_choice(self.choice))
         if self.json is not None: object.__setattr__(self, "json", canonical_schema(self.json))
-        checked(self.pattern())  # a bad regex or schema is refused here, with the request
+        try: checked(self.pattern())
+        except RecursionError: raise ValueError("structured outputs: the pattern or schema is nested too deeply") from None  # a bad regex or schema is refused here, with the request
 
     @property
     def schema(self) -> dict | None:
@@ -836,8 +866,11 @@ def canonical_schema(schema) -> str:
 
 @lru_cache(maxsize=256)
 def checked(pattern: str) -> str:
-    "The pattern, once parse_regex has accepted it (a long JSON pattern is parsed once, not per request)."
-    parse_regex(pattern)
+    """The pattern, once its whole DFA has been built within MAX_DFA_STATES: a pattern too large fails here, with the
+    request, not in the middle of its generation (each distinct pattern is checked once; the DFA is not kept)."""
+    dfa = DFA(pattern)
+    dfa.build_all()
+    if not dfa.sets[dfa.start]: raise ValueError(f"regex {reprlib.repr(pattern)} matches no text at all")
     return pattern
 
 @lru_cache(maxsize=256)
@@ -849,7 +882,7 @@ def spec_pattern(spec: StructuredOutputs) -> str:
     return json_object(json_value(JSON_OBJECT_DEPTH - 1))
 
 # %% ../chapters/06c_structured_output.ipynb #st000067
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)  # each holds its DFA (up to 20 MB) and masks (up to 32 MB for a vocabulary of 128k)
 def _compile(spec: StructuredOutputs, tokenizer: Tokenizer, eos_token_ids: tuple, vocab_size: int) -> TokenConstraint:
     return TokenConstraint(spec.pattern(), vocabulary_bytes(tokenizer, vocab_size), eos_token_ids)
 

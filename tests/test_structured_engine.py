@@ -1,5 +1,5 @@
 "Structured output (chapter 6c) in chapter 7's generate, the engine (11b) and the server (12b/12c)."
-import json, math, re
+import json, math, re, time
 
 import httpx
 import openai
@@ -21,6 +21,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "colour"]}
 PROMPTS = ["The date of the moon landing is", "Describe a person as JSON:", "Is the sky blue? Answer:", "1, 2, 3,"]
 SPECS = [StructuredOutputs(regex=DATE), StructuredOutputs(json=SCHEMA), StructuredOutputs(choice=["yes", "no", "maybe"]), None]
+
+
+NESTED_ARRAYS, DEEP_OBJECTS = {"type": "integer"}, {"type": "integer"}
+for _ in range(17): NESTED_ARRAYS = {"type": "array", "items": NESTED_ARRAYS}
+for _ in range(200): DEEP_OBJECTS = {"type": "object", "properties": {"x": DEEP_OBJECTS}, "required": ["x"]}
 
 
 def follows(spec: StructuredOutputs | None, text: str) -> bool:
@@ -144,9 +149,18 @@ def test_the_engine_process_takes_structured_requests_too():
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, None),
     ({"guided_regex": "a+", "min_tokens": 2}, None),  # a complete match could leave nothing to draw
+    # found by a review: each once froze the server, exhausted its memory, was a 500, or failed in mid-generation
+    ({"guided_json": NESTED_ARRAYS}, "guided_json"),  # a 17-deep schema: a 3.7 MB regex, 25 s of a blocked event loop
+    ({"guided_json": {"oneOf": [{"type": "string", "pattern": "^a{0,900}%s$" % chr(98 + i)} for i in range(20)]}}, "guided_json"),
+    ({"guided_regex": "(?:a" * 400 + ")" * 400}, "guided_regex"),  # a RecursionError, once a 500
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP_OBJECTS}}}, "response_format"),
+    ({"guided_regex": "(?:.*[ae].{30})"}, "guided_regex"),  # a DFA past 20,000 states: once accepted, then failed mid-way
 ])
 def test_bad_structured_requests_are_400s(url, body, param):
+    t0 = time.monotonic()
     r = httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert param is None or error["param"].split(".")[0] == param, error  # e.g. response_format.type
+    assert time.monotonic() - t0 < 5, "refused, but slowly"
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
