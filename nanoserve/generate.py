@@ -159,7 +159,7 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     while True:
         history = TokenHistory.from_lists([run.prompt_ids], [run.out], run.device) if params.penalized else None
         banned = [stop_tokens(params, run.stop_token_ids, len(run.out))] if params.min_tokens else None
-        allowed = None if run.constraint is None else [run.constraint.allowed()]
+        allowed = None if run.constraint is None else [run.constraint.allowed_bits()]  # packed, as cached: no unpacking
         if allowed and not allowed[0].any(): raise ValueError("structured output: no token of the vocabulary continues the text")
         token = sample(logits, [params], [run.generator], history, banned, allowed=allowed).token_ids.item()
         if run.emit(token): return run.finish()
