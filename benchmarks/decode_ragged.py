@@ -6,7 +6,7 @@ decode step holds contexts from about 100 to 2048 positions, and its block table
 wide. With one program per (KV head, sequence, split), the longest context's programs finish last and set the
 kernel's time, which favours larger tiles than a uniform batch does. This script builds such batches (contexts
 uniform in [100, 2048], blocks scattered at random over a pool in the engine's layout, tables 128 wide, splits
-from choose_num_splits) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
+from decode_num_splits) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
 tile of TILES forced for every shape; every output is compared with the table's. Times are the median of
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py. There is no SDPA
 column: SDPA needs one length per batch, and padding to the longest would charge it for work the paged kernel skips.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import paged_attention as pa  # noqa: E402  (its timer, models and commit helper)
 import nanoserve.kernels as kernels  # noqa: E402
-from nanoserve.kernels import choose_num_splits, paged_decode_attention  # noqa: E402
+from nanoserve.kernels import paged_decode_attention  # noqa: E402
 
 BATCHES = (8, 32, 64, 128, 256)
 CONTEXTS = (100, 2048)  # uniform, inclusive
@@ -50,14 +50,16 @@ def ragged_batch(B, H, K, D, seed):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--no-one-wave", action="store_true", help="nanoserve.kernels.DECODE_ONE_WAVE = False")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
+    if args.no_one_wave: kernels.DECODE_ONE_WAVE = False
     table_tile, num_sms = kernels.decode_tile, kernels._num_sms(torch.device("cuda"))
     rows = []
     for model, B in itertools.product(pa.MODELS, BATCHES):
         H, K, D = pa.MODELS[model]
         q, kc, vc, bt, lens = ragged_batch(B, H, K, D, seed=B)
-        out, splits = torch.empty_like(q), choose_num_splits(B, K, TABLE_WIDTH * 16, num_sms)
+        out, splits = torch.empty_like(q), kernels.decode_num_splits(q, kc, bt)
         fn = lambda: paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, out=out)
         row = dict(model=model, batch=B, num_splits=splits, max_context=int(lens.max()),
                    table_tile=list(table_tile(K * B * splits / num_sms, D)), us={}, max_abs_diff={})
@@ -79,7 +81,7 @@ def main(argv=None):
     res = {"benchmark": "decode_ragged", "device": {"name": torch.cuda.get_device_name(0), "sms": prop.multi_processor_count},
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
-           "settings": {"dtype": "bfloat16", "block_size": 16, "contexts": list(CONTEXTS), "table_width": TABLE_WIDTH,
+           "settings": {"dtype": "bfloat16", "block_size": 16, "one_wave": kernels.DECODE_ONE_WAVE, "contexts": list(CONTEXTS), "table_width": TABLE_WIDTH,
                         "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each"},
            "rows": rows}
     pa.emit(res, args.out)

@@ -33,7 +33,7 @@ except ImportError:  # not installed: run from the checkout
 import triton
 
 import nanoserve.kernels as kernels
-from nanoserve.kernels import choose_num_splits, decode_attention_bytes, paged_decode_attention, paged_prefill_attention
+from nanoserve.kernels import decode_attention_bytes, paged_decode_attention, paged_prefill_attention
 from nanoserve.paged_cache import PagedKVCache, paged_attention_ref
 
 DEVICE = "cuda"
@@ -179,8 +179,7 @@ def decode_row(model, B, S, block_size, with_sdpa=True) -> dict:
         return {**row, "skipped": f"needs {cache_bytes / 2**30:.1f} GiB of KV cache"}
     q, k_cache, v_cache, bt, lens = paged_inputs(B, S, H, K, D, block_size)
     out, scale = torch.empty_like(q), D**-0.5
-    num_sms = kernels._num_sms(q.device)
-    splits = choose_num_splits(B, K, bt.shape[1] * block_size, num_sms)
+    num_sms, splits = kernels._num_sms(q.device), kernels.decode_num_splits(q, k_cache, bt)
     t = bench_graphed(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, out=out))
     nbytes = decode_attention_bytes(B, S, H, K, D)
     row.update(num_splits=splits, tile=list(kernels.decode_tile(K * B * splits / num_sms, D)), bytes=nbytes, **t, gbs=nbytes / (t["ms"] * 1e-3) / 1e9)
@@ -273,7 +272,7 @@ def sweep(block_size, configs) -> dict:
 
 def constants() -> dict:
     "The launch constants in effect (DECODE_TILES with its last bound written as 'inf' for JSON)."
-    return {**{c: getattr(kernels, c) for c in TUNABLES.values()},
+    return {**{c: getattr(kernels, c) for c in TUNABLES.values()}, "DECODE_ONE_WAVE": kernels.DECODE_ONE_WAVE,
             "DECODE_TILES": [[str(bound) if math.isinf(bound) else bound, {str(d): list(t) for d, t in tiles.items()}]
                              for bound, tiles in kernels.DECODE_TILES]}
 
@@ -307,12 +306,15 @@ def main(argv=None):
                    help="one decode tile for every shape instead of nanoserve.kernels.DECODE_TILES")
     p.add_argument("--block-size", type=int, default=16, help="cache block size (default 16)")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--no-one-wave", action="store_true", help="split as if the GPU held any number of programs at once "
+                   "(nanoserve.kernels.DECODE_ONE_WAVE = False)")
     for flag, const in TUNABLES.items():
         p.add_argument("--" + flag.replace("_", "-"), type=int, help=f"override nanoserve.kernels.{const}")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     for flag, const in TUNABLES.items():
         if getattr(args, flag) is not None: setattr(kernels, const, getattr(args, flag))
+    if args.no_one_wave: kernels.DECODE_ONE_WAVE = False
     if args.decode_tile:
         kernels.decode_tile = lambda programs_per_sm, head_dim: tuple(args.decode_tile)
     prop = torch.cuda.get_device_properties(0)

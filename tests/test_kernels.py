@@ -394,6 +394,41 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 8, 100) == 1
 
 
+def test_choose_num_splits_stops_at_one_wave():
+    assert choose_num_splits(64, 8, 4096, 132, programs_per_wave=5 * 132) == 1  # 2 splits would be 1.55 waves
+    assert choose_num_splits(8, 8, 4096, 132, programs_per_wave=5 * 132) == 9  # 576 programs fit one wave of 660
+    assert choose_num_splits(8, 8, 4096, 132, programs_per_wave=3 * 132) == 6  # 9 would not: the most that fit
+    assert choose_num_splits(256, 8, 4096, 132, programs_per_wave=3 * 132) == 1  # more than a wave unsplit: never 0
+    assert choose_num_splits(1, 8, 512, 132, programs_per_wave=5 * 132) == 4  # the cap never raises a split count
+
+
+def test_resident_programs():
+    # the 128-key tile for heads of 64, compiled for sm_90 (ptxas -v): 96 registers, 39 KiB of shared memory, 4 warps
+    assert kernels.resident_programs(96, 39 * 1024, 4) == 5  # registers: 21 warps of 3072 registers, 5 programs of 4
+    assert kernels.resident_programs(32, 100 * 1024, 4) == 2  # shared memory: 2 x (100 KiB + 1 KiB) of 228 KiB
+    assert kernels.resident_programs(32, 0, 8) == 8  # warps: 64 per SM
+    assert kernels.resident_programs(16, 1024, 1) == 32  # at most 32 programs on an SM
+    assert kernels.resident_programs(97, 0, 4) == 4  # 97 registers round up to 104 per thread: 19 warps
+    assert kernels.resident_programs(255, 300 * 1024, 16) == 1  # never less than one: the launch would fail, not queue
+
+
+def test_decode_splits_within_one_wave(monkeypatch):
+    "decode_num_splits caps choose_num_splits at the wave that _programs_per_wave reports, and the launch follows it."
+    lens = [100, 2000, 517, 16, 900]
+    args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=7)
+    q, k_cache, _, block_tables = args[:4]
+    uncapped = choose_num_splits(5, 2, block_tables.shape[1] * 16, kernels._num_sms(q.device))
+    assert kernels.decode_num_splits(q, k_cache, block_tables) == uncapped  # the interpreter: no binary, no cap
+    monkeypatch.setattr(kernels, "_programs_per_wave", lambda q, k_cache, block_tables, num_splits, window: 5 * 2 * 3)
+    assert uncapped > 3 and kernels.decode_num_splits(q, k_cache, block_tables) == 3
+    spy = LaunchSpy(kernels._decode_kernel)
+    monkeypatch.setattr(kernels, "_decode_kernel", spy)
+    torch.testing.assert_close(decode(*args[:5]), reference(*args), **TOL[torch.float32])
+    assert [grid for grid, _ in spy.launches] == [(2, 5, 3)]
+    monkeypatch.setattr(kernels, "DECODE_ONE_WAVE", False)
+    assert kernels.decode_num_splits(q, k_cache, block_tables) == uncapped
+
+
 def test_decode_tile_follows_the_table():
     assert kernels.decode_tile(256 * 8 / 132, 64) == (128, 4, 3)  # batch 256, 8 KV heads: the last row
     assert kernels.decode_tile(8 * 8 * 9 / 132, 128) == (64, 2, 3)  # batch 8, 9 splits
@@ -456,6 +491,26 @@ def test_gpu_decode_real_shapes(shape, dtype):
     ref = reference(*args)
     for n in (None, 1, 8):
         torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_one_wave_reads_the_compiled_kernel(shape, monkeypatch):
+    "On a GPU the wave comes from the compiled kernel's registers and shared memory, and the capped split equals the uncapped."
+    H, K, D = SHAPES[shape]
+    lens = [4096] * 64  # 2 splits by DECODE_PROGRAMS_PER_SM: more than one wave of the 128-key tile on an H100
+    args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=13)
+    q, k_cache, _, block_tables = args[:4]
+    sms = kernels._num_sms(q.device)
+    wave = kernels._programs_per_wave(q, k_cache, block_tables, 2, None)
+    assert sms <= wave <= 32 * sms and wave % sms == 0
+    assert kernels.decode_num_splits(q, k_cache, block_tables) == choose_num_splits(64, K, 4096, sms, programs_per_wave=wave)
+    capped = decode(*args[:5])
+    monkeypatch.setattr(kernels, "DECODE_ONE_WAVE", False)
+    uncapped = decode(*args[:5])
+    torch.testing.assert_close(capped, reference(*args), **TOL[torch.bfloat16])
+    torch.testing.assert_close(capped, uncapped, **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
