@@ -50,10 +50,10 @@ def ragged_batch(B, H, K, D, seed):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
-    p.add_argument("--no-one-wave", action="store_true", help="nanoserve.kernels.DECODE_ONE_WAVE = False")
+    p.add_argument("--one-wave", action="store_true", help="nanoserve.kernels.DECODE_ONE_WAVE = True")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
-    if args.no_one_wave: kernels.DECODE_ONE_WAVE = False
+    if args.one_wave: kernels.DECODE_ONE_WAVE = True
     table_tile, num_sms = kernels.decode_tile, kernels._num_sms(torch.device("cuda"))
     rows = []
     for model, B in itertools.product(pa.MODELS, BATCHES):

@@ -306,15 +306,15 @@ def main(argv=None):
                    help="one decode tile for every shape instead of nanoserve.kernels.DECODE_TILES")
     p.add_argument("--block-size", type=int, default=16, help="cache block size (default 16)")
     p.add_argument("--no-prefill", action="store_true")
-    p.add_argument("--no-one-wave", action="store_true", help="split as if the GPU held any number of programs at once "
-                   "(nanoserve.kernels.DECODE_ONE_WAVE = False)")
+    p.add_argument("--one-wave", action="store_true", help="split no further than one wave of programs "
+                   "(nanoserve.kernels.DECODE_ONE_WAVE = True)")
     for flag, const in TUNABLES.items():
         p.add_argument("--" + flag.replace("_", "-"), type=int, help=f"override nanoserve.kernels.{const}")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     for flag, const in TUNABLES.items():
         if getattr(args, flag) is not None: setattr(kernels, const, getattr(args, flag))
-    if args.no_one_wave: kernels.DECODE_ONE_WAVE = False
+    if args.one_wave: kernels.DECODE_ONE_WAVE = True
     if args.decode_tile:
         kernels.decode_tile = lambda programs_per_sm, head_dim: tuple(args.decode_tile)
     prop = torch.cuda.get_device_properties(0)

@@ -60,7 +60,7 @@ DECODE_TILES = (  # (up to this many decode programs per SM, {head dim up to: (B
     (math.inf, {64: (128, 4, 3), 128: (128, 4, 3)}),  # long ragged contexts: the longest program sets the time
 )
 DECODE_PROGRAMS_PER_SM = 4  # split contexts until sequences x KV heads x splits >= this x the SM count
-DECODE_ONE_WAVE = True  # ... but only as far as one wave: no more programs than the GPU holds at once
+DECODE_ONE_WAVE = False  # True: ... but no more programs than the GPU holds at once (faster on even batches, slower on ragged)
 DECODE_MIN_SPLIT_TOKENS = 128  # ... but never into splits shorter than this
 DECODE_MAX_SPLITS = 64
 PREFILL_BLOCK_M = 64  # queries per prefill program

@@ -418,6 +418,8 @@ def test_decode_splits_within_one_wave(monkeypatch):
     args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=7)
     q, k_cache, _, block_tables = args[:4]
     uncapped = choose_num_splits(5, 2, block_tables.shape[1] * 16, kernels._num_sms(q.device))
+    assert not kernels.DECODE_ONE_WAVE and kernels.decode_num_splits(q, k_cache, block_tables) == uncapped  # off by default
+    monkeypatch.setattr(kernels, "DECODE_ONE_WAVE", True)
     assert kernels.decode_num_splits(q, k_cache, block_tables) == uncapped  # the interpreter: no binary, no cap
     monkeypatch.setattr(kernels, "_programs_per_wave", lambda q, k_cache, block_tables, num_splits, window: 5 * 2 * 3)
     assert uncapped > 3 and kernels.decode_num_splits(q, k_cache, block_tables) == 3
@@ -503,6 +505,7 @@ def test_gpu_one_wave_reads_the_compiled_kernel(shape, monkeypatch):
     args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=13)
     q, k_cache, _, block_tables = args[:4]
     sms = kernels._num_sms(q.device)
+    monkeypatch.setattr(kernels, "DECODE_ONE_WAVE", True)
     wave = kernels._programs_per_wave(q, k_cache, block_tables, 2, None)
     assert sms <= wave <= 32 * sms and wave % sms == 0
     assert kernels.decode_num_splits(q, k_cache, block_tables) == choose_num_splits(64, K, 4096, sms, programs_per_wave=wave)
