@@ -24,6 +24,7 @@ from .sampling import SamplingParams, check_stop, choice_seed, generation_defaul
 from .scheduler import Scheduler, SchedulerOutput, Sequence
 from .structured import ConstraintState, compile_structured
 from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json, template_options
+from .tool_calls import check_tools, template_message
 
 # %% ../chapters/11b_engine.ipynb #1617ac05
 @dataclass
@@ -531,16 +532,17 @@ LLM._run = _run
 
 # %% ../chapters/11b_engine.ipynb #c11bch02
 def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, chat_template: str | None = None,
-          add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list:
+          add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None, tools: list | None = None) -> list:
     """vLLM's LLM.chat: generate for a conversation (a list of {"role", "content"} messages) or a list of them, each
-    rendered with the model's chat template (or `chat_template`); one RequestOutput per conversation, whose `prompt` is
-    the rendered text."""
+    rendered with the model's chat template (or `chat_template`), which is shown the `tools` (chapter 6d); one
+    RequestOutput per conversation, whose `prompt` is the rendered text."""
     tok = self.llm_engine.tokenizer
     if tok is None: raise ValueError("this model has no tokenizer, so no chat template: give generate token ids instead")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r:.80}: expected a conversation (a non-empty list of messages) or a list of them")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
     options = {"chat_template": chat_template, **template_options(add_generation_prompt, chat_template_kwargs)}  # vLLM's merge
+    if tools is not None: options["tools"] = check_tools(tools)
     texts = []
     for i, conversation in enumerate(conversations):
         try: texts.append(tok.apply_chat_template(_text_messages(conversation), **options))
@@ -549,8 +551,10 @@ def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, c
     return [dataclasses.replace(out, prompt=text) for out, text in zip(self.generate(prompts, sampling_params, use_tqdm), texts)]
 
 def _text_messages(conversation) -> list:
-    "A conversation with each message's content parts flattened to one string (chapter 6a's content_text), as the server does."
+    """A conversation with each message's content parts flattened to one string (chapter 6a's content_text) and its
+    tool calls as templates take them (chapter 6d's template_message), as the server does."""
     if not isinstance(conversation, (list, tuple)): return conversation  # apply_chat_template says what it expected
-    return [{**m, "content": content_text(m["content"])} if isinstance(m, dict) and "content" in m else m for m in conversation]
+    return [template_message({**m, "content": content_text(m["content"])} if "content" in m else m) if isinstance(m, dict) else m
+            for m in conversation]
 
 LLM.chat = _chat

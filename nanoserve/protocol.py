@@ -6,9 +6,9 @@
 __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'AtDefault', 'STRUCTURED_FIELDS', 'TEMPLATE_OWN',
            'OpenAIModel', 'null_is_default', 'StreamOptions', 'only_accepted', 'JsonSchemaFormat', 'ResponseFormat',
            'StructuredOutputsField', 'structured_spec', 'structured_outputs', 'SamplingRequest', 'CompletionRequest',
-           'TextPart', 'ChatMessage', 'ChatTemplateOptions', 'ChatCompletionRequest', 'TokenizeRequest',
-           'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest', 'token_budget',
-           'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs', 'CompletionChoice',
+           'TextPart', 'FunctionCall', 'MessageToolCall', 'ChatMessage', 'ChatTemplateOptions', 'ChatCompletionRequest',
+           'TokenizeRequest', 'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest',
+           'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs', 'CompletionChoice',
            'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice',
            'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes',
            'token_text', 'usage', 'TextOffsets', 'completion_logprobs', 'chat_logprobs', 'new_id', 'joined', 'Echo',
@@ -23,6 +23,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from .engine import RequestOutput, TokenLogprobs
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, choice_seed
 from .structured import StructuredOutputs
+from .tool_calls import check_tools, template_message, tool_choice_constraint, tool_message
 from .tokenizer import TEMPLATE_PARAMETERS, Tokenizer, content_text
 
 # %% ../chapters/12b_protocol.ipynb #de0a4b6a
@@ -47,7 +48,7 @@ MAX_STOPS = 16  # stop strings, and stop token ids, a request may give: each is 
 MAX_N = 128          # choices per prompt (`n`), OpenAI's limit
 MAX_CHOICES = 2048   # choices of one request, prompts times n: OpenAI's limit on a list of prompts
 
-ACCEPTED = {"suffix": "", "tools": [], "tool_choice": "none",  # the one value each may have
+ACCEPTED = {"suffix": "",  # the one value each may have
             "continue_final_message": False, "chat_template": None, "echo": False, "documents": None, "structural_tag": None,
             "prompt_embeds": None, "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,  # vLLM's defaults
             "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
@@ -102,8 +103,9 @@ def structured_spec(name: str, value) -> StructuredOutputs | None:
     return StructuredOutputs(**{name.removeprefix("guided_"): value})
 
 def structured_outputs(req) -> StructuredOutputs | None:
-    "The one structured-output constraint a request asks for, under any of OpenAI's and vLLM's names, or None."
-    return next((s for name in STRUCTURED_FIELDS if (s := structured_spec(name, getattr(req, name))) is not None), None)
+    "The one structured-output constraint a request asks for, under any of OpenAI's and vLLM's names or by forcing a tool call, or None."
+    given = next((s for name in STRUCTURED_FIELDS if (s := structured_spec(name, getattr(req, name))) is not None), None)
+    return given if given is not None or not hasattr(req, "tool_constraint") else req.tool_constraint()
 
 # %% ../chapters/12b_protocol.ipynb #1e6560ad
 class SamplingRequest(OpenAIModel):
@@ -255,24 +257,39 @@ class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+class MessageToolCall(OpenAIModel):
+    "One call of an assistant's message (chapter 6d), in a conversation sent back or in an answer."
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | Items[TextPart] | None = None  # None: an assistant's turn that only called tools
     name: str | None = None
-    tool_calls: list | None = None
+    tool_calls: Items[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None                  # a tool's result: the call it answers
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.role in ("tool", "function") or self.tool_calls:
-            raise ValueError(f"{'tool_calls' if self.tool_calls else f'a {self.role!r} message'}: nanoserve does not call "
-                             "tools, so a conversation cannot hold their calls or results")
+    def _roles(self):
+        if self.role == "function": raise ValueError("a 'function' message (OpenAI's older function calling): send the result as a 'tool' message")
+        if self.tool_calls and self.role != "assistant": raise ValueError(f"a {self.role} message with tool_calls: only the assistant calls tools")
+        if self.role == "tool" and self.tool_call_id is None: raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
         if self.content is None and self.role != "assistant": raise ValueError(f"a {self.role} message needs content")
         return self
 
     def as_dict(self) -> dict:
-        "The message as a chat template wants it: a role and one string ('developer' is OpenAI's new name for 'system')."
+        """The message as a chat template wants it: a role, one string ('developer' is OpenAI's new name for 'system'),
+        and its tool calls or the call it answers (chapter 6d's template_message)."""
         text = content_text(self.model_dump()["content"]) or ""  # text parts joined with newlines, as LLM.chat and vLLM join them
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls: message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None: message["tool_call_id"] = self.tool_call_id
+        return template_message(message)
 
 TEMPLATE_OWN = TEMPLATE_PARAMETERS | {"continue_final_message", "tools", "documents"}  # the call's own, or fields refused here
 
@@ -282,11 +299,15 @@ class ChatTemplateOptions(OpenAIModel):
     chat_template_kwargs: dict | None = None      # more variables for the template (Qwen3's enable_thinking, say)
     continue_final_message: StrictBool = False    # refused: Tokenizer.apply_chat_template cannot leave the last turn open
     chat_template: str | None = None              # refused: a request's own template (vLLM's default refuses it too)
-    tools: list | None = None                     # refused: nanoserve does not call tools
+    tools: list | None = None                     # functions the model may call (chapter 6d), also shown to the template
 
-    _template_accepted = field_validator("continue_final_message", "chat_template", "tools")(classmethod(only_accepted))
+    _template_accepted = field_validator("continue_final_message", "chat_template")(classmethod(only_accepted))
     _template_null_is_default = field_validator("add_generation_prompt", "continue_final_message",
                                                 mode="before")(classmethod(null_is_default))
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v): return None if v is None else check_tools(v)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -303,13 +324,33 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: StrictBool = False  # vLLM: the tokenizer's own special tokens too, around the template's text
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict | None = Field(None, validate_default=True)  # chapter 6d; None: 'auto' with tools, else 'none'
+    parallel_tool_calls: StrictBool = True  # with tool_choice 'required': false asks for one call
     echo: AtDefault = None                  # vLLM's: the answer after the last message, if it has the answer's role
     documents: AtDefault = None
     structural_tag: AtDefault = None
 
-    _accepted_here = field_validator("tool_choice")(classmethod(only_accepted))
-    _null_is_default_here = field_validator("logprobs", mode="before")(classmethod(null_is_default))
+    _null_is_default_here = field_validator("logprobs", "parallel_tool_calls", mode="before")(classmethod(null_is_default))
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _forcible(cls, v, info):  # `tools` is a field of ChatTemplateOptions, which pydantic validates first
+        tools = info.data.get("tools")
+        if v is None and tools:  # OpenAI's default with tools is 'auto', which needs a parser
+            raise ValueError("tools without a tool_choice mean 'auto' (OpenAI's default), which needs a parser for the model's own "
+                             "way of writing tool calls; nanoserve has none: set tool_choice to 'required', a named function, or 'none'")
+        if v is not None: tool_choice_constraint(tools, v)  # refuses 'auto', and a choice of a missing or unbuildable tool
+        return v
+
+    def tool_constraint(self) -> StructuredOutputs | None:
+        "The structured output that forces the request's tool call (chapter 6d), or None if it forces none."
+        return tool_choice_constraint(self.tools, self.tool_choice or "none", self.parallel_tool_calls)
+
+    @model_validator(mode="after")
+    def _tool_call_or_structure(self):
+        if self.tool_constraint() is not None and (other := next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), None)):
+            raise ValueError(f"tool_choice={self.tool_choice!r} and {other}: a request may ask for one structured output")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -439,13 +480,14 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is tool calls
+    tool_calls: list[MessageToolCall] | None = None
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended the choice
 
 class ChatCompletionResponse(BaseModel):
@@ -586,11 +628,13 @@ def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1,
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outs if echo is None else [echo.counted(out) for out in outs], n)}
 
-def chat_response(rid: str, model: str, outs: list, tokenizer) -> dict:
-    "The body of a finished, non-streamed chat completion: one choice per output, all of one conversation."
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, "logprobs": chat_logprobs(out, tokenizer, 0, len(out.token_ids))}
-               for i, out in enumerate(outs)]
+def chat_response(rid: str, model: str, outs: list, tokenizer, tools: list | None = None, tool_choice=None) -> dict:
+    """The body of a finished, non-streamed chat completion: one choice per output, all of one conversation; where
+    `tool_choice` forced a call, the calls (chapter 6d's tool_message)."""
+    messages = [tool_message(out.text, out.finish_reason, tools, tool_choice) for out in outs]  # (message, finish reason)
+    choices = [{"index": i, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
+                "logprobs": chat_logprobs(out, tokenizer, 0, len(out.token_ids))}
+               for i, (out, (message, reason)) in enumerate(zip(outs, messages))]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outs, len(outs))}
 
@@ -607,8 +651,11 @@ def completion_delta(out: RequestOutput, tokenizer, text: str, start: int, end: 
     return {"index": index, "text": text, "logprobs": completion_logprobs(out, tokenizer, start, end, text_offset, text, offsets),
             "finish_reason": out.finish_reason if out.finished else None, "stop_reason": out.stop_reason if out.finished else None}
 
-def chat_delta(out: RequestOutput | None, tokenizer, delta: dict, start: int = 0, end: int = 0, index: int = 0) -> dict:
-    "Choice `index` of a chat chunk: a delta (role, content, or nothing), log probabilities, the finish reason once done."
+def chat_delta(out: RequestOutput | None, tokenizer, delta: dict, start: int = 0, end: int = 0, index: int = 0,
+               finish_reason: str | None = None) -> dict:
+    """Choice `index` of a chat chunk: a delta (role, content, tool calls, or nothing), log probabilities, the finish reason
+    once done (`finish_reason`, or the output's)."""
     finished = out is not None and out.finished and not delta
     return {"index": index, "delta": delta, "logprobs": chat_logprobs(out, tokenizer, start, end) if out and end > start else None,
-            "finish_reason": out.finish_reason if finished else None, "stop_reason": out.stop_reason if finished else None}
+            "finish_reason": (finish_reason or out.finish_reason) if finished else None,
+            "stop_reason": out.stop_reason if finished else None}

@@ -25,6 +25,7 @@ from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, Reque
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL, resolve_model
 from .tokenizer import load_chat_template, template_options
+from .tool_calls import ToolCallStream, tool_message
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
@@ -63,6 +64,7 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     if loc in ((), ("body",)):
         if isinstance(first.get("input"), bytes):  # FastAPI reads a body as JSON only if its Content-Type says so
             return error_response(400, "The request body was not read as JSON: send it with 'Content-Type: application/json'.")
+        if kind == "value_error": return error_response(400, message)  # a check of one field against another
         what = "missing" if kind == "missing" else "not a JSON object"
         return error_response(400, f"The request body is {what}: send a JSON object with the request's parameters.")
     param = _param(loc)
@@ -231,10 +233,12 @@ async def completion_events(outputs: list, rid: str, model: str, tokenizer, incl
     yield sse("[DONE]")
 
 async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, continuous_usage: bool = False,
-                      num_prompt_tokens: int = 0):
+                      num_prompt_tokens: int = 0, tools: list | None = None, tool_choice=None):
     """The events of a streamed chat completion: per choice the role, content deltas and the finish reason; [usage], [DONE].
-    `continuous_usage`: every chunk with its choice's token counts so far (the role's: the prompt's `num_prompt_tokens`)."""
+    `continuous_usage`: every chunk with its choice's token counts so far (the role's: the prompt's `num_prompt_tokens`).
+    Where `tool_choice` forces a call, tool-call deltas instead of content (chapter 6d's ToolCallStream)."""
     created, k = int(time.time()), len(outputs)
+    calls = [ToolCallStream(tools, tool_choice) if tool_choice not in (None, "none") else None for _ in range(k)]
     sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
     so_far = usage if continuous_usage else lambda outs: None
     opened = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens} if continuous_usage else None
@@ -244,10 +248,13 @@ async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_us
         try:
             async for i, out in choices:
                 text, end = out.text[sent_text[i]:], len(out.token_ids)
-                if end > sent_tokens[i]:
-                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {"content": text}, sent_tokens[i], end, i)],
+                delta = {"content": text} if calls[i] is None else calls[i].delta(text, out.finished)
+                if delta or end > sent_tokens[i] and out.logprobs is not None:  # a call's delta may wait for the end
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, delta or {}, sent_tokens[i], end, i)],
                                     so_far([out])))
-                if out.finished: yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i)], so_far([out])))
+                if out.finished:
+                    reason = None if calls[i] is None else tool_message(calls[i].text, out.finish_reason, tools, tool_choice)[1]
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i, finish_reason=reason)], so_far([out])))
                 sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
@@ -383,17 +390,18 @@ class OpenAIServer:
     async def chat_prompt(self, req: ChatCompletionRequest) -> list:
         "The token ids of a chat completion's conversation."
         return await self.chat_ids(req.messages, req.add_generation_prompt, req.add_special_tokens,
-                                   template_kwargs=req.chat_template_kwargs)
+                                   template_kwargs=req.chat_template_kwargs, tools=req.tools)
 
     async def chat_ids(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                       check_length: bool = True, template_kwargs: dict | None = None) -> list:
+                       check_length: bool = True, template_kwargs: dict | None = None, tools: list | None = None) -> list:
         """The token ids of a conversation (ChatMessages), rendered with the model's chat template (off the event loop),
-        given `template_kwargs` as more variables."""
+        given `template_kwargs` as more variables, and the `tools` the model may call."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequest("This model has no chat template: send a plain prompt instead of messages.", "messages")
         messages = [m.as_dict() for m in messages]
         for i, m in enumerate(messages): self.check_text(m["content"], f"messages[{i}].content")
         options = template_options(add_generation_prompt, template_kwargs)  # vLLM's merge; the request checked the names
+        if tools: options["tools"] = tools
         try: text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **options)
         except Exception as e: raise InvalidRequest(f"The model's chat template refused these messages: {e}", "messages")
         if check_length: self.check_chars(len(text), "messages")  # the template's own text counts too: a message may be empty
@@ -404,7 +412,7 @@ class OpenAIServer:
         any length the body limit lets in: counting a long document's tokens is what a client may want (vLLM's too)."""
         if req.messages is not None:
             return await self.chat_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens), check_length=False,
-                                       template_kwargs=req.chat_template_kwargs)
+                                       template_kwargs=req.chat_template_kwargs, tools=req.tools)
         if self.tokenizer is None: raise InvalidRequest("This model has no tokenizer.", "prompt")
         self.check_text(req.prompt, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -563,9 +571,11 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         rid, abort = new_id("chatcmpl"), functools.partial(server.abort_unless_finished, streams)
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
-            return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, *_usage_options(req), len(prompt)), abort)
+            return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, *_usage_options(req), len(prompt),
+                                           req.tools, req.tool_choice), abort)
         outs = await final_outputs(outputs, request, abort)
-        return Response(status_code=499) if outs is None else chat_response(rid, server.model_name, outs, server.tokenizer)
+        if outs is None: return Response(status_code=499)
+        return chat_response(rid, server.model_name, outs, server.tokenizer, req.tools, req.tool_choice)
 
 # %% ../chapters/12c_server.ipynb #4ce4db2c
 def _cause(e: Exception) -> str:

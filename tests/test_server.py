@@ -854,7 +854,7 @@ BAD_REQUESTS = [
     (CHAT_PATH, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT_PATH, {"messages": CHAT, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, 400, "messages"),
-    (CHAT_PATH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT_PATH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # auto
     (CHAT_PATH, {"messages": CHAT, "model": "gpt-5"}, 404, "model"),
     # a union's deepest error names the part at fault, not "should be a valid string"
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
@@ -872,9 +872,10 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "presence_penalty": "0"}, 400, "presence_penalty"),
     (C, {"prompt": "hi", "best_of": True}, 400, "best_of"),
     (CHAT_PATH, {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
-    # tools are refused, and so are the messages of a conversation that used them
-    (CHAT_PATH, {"messages": [*CHAT, {"role": "tool", "tool_call_id": "a", "content": "x"}]}, 400, "messages[1]"),
-    (CHAT_PATH, {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]}, 400, "messages[1]"),
+    # the messages of a conversation with tools (more in tests/test_tool_calls.py)
+    (CHAT_PATH, {"messages": [*CHAT, {"role": "tool", "content": "x"}]}, 400, "messages[1]"),
+    (CHAT_PATH, {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]}, 400,
+     "messages[1].tool_calls[0].function"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0]"),
 ]
 

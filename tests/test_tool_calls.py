@@ -1,0 +1,277 @@
+"""Chapter 6d's tool calls: the checks of tools and tool_choice, the constraints that force a call, reading calls back
+whole and streamed, and the server's chat completions with tools (12b/12c)."""
+import json, random
+
+import httpx
+import openai
+import pytest
+
+from nanoserve.loader import DEFAULT_MODEL
+from nanoserve.server import make_server, run_in_thread
+from nanoserve.structured import FINAL, ConstraintState, compile_structured, vocabulary_bytes
+from nanoserve.tokenizer import load_tokenizer
+from nanoserve.tool_calls import (ToolCallStream, check_tools, parse_tool_calls, template_message, tool_call,
+                                  tool_choice_constraint, tool_message)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 12}}, "required": ["timezone"]}}}
+TOOLS = [WEATHER, CLOCK]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def follows_weather(arguments: str) -> bool:
+    value = json.loads(arguments)
+    return (set(value) == {"city", "unit"} and isinstance(value["city"], str) and len(value["city"]) <= 20
+            and value["unit"] in ("celsius", "fahrenheit"))
+
+
+@pytest.mark.parametrize("tools,match", [
+    ([], "non-empty list"),
+    ("get_weather", "non-empty list"),
+    ([{"type": "retrieval"}], r"tools\[0\]"),
+    ([{"type": "function", "function": {"name": "get weather"}}], r"tools\[0\].function.name"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], r"tools\[0\].function.name"),
+    ([WEATHER, {"type": "function", "function": {"name": 5}}], r"tools\[1\].function.name"),
+    ([WEATHER, WEATHER], "two tools have this name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], r"tools\[0\].function.parameters"),
+])
+def test_bad_tools_are_value_errors_that_name_the_tool(tools, match):
+    with pytest.raises(ValueError, match=match): check_tools(tools)
+
+
+@pytest.mark.parametrize("tools,choice,match", [
+    (TOOLS, "auto", "needs a parser"),
+    (TOOLS, "any", "expected 'none', 'auto', 'required'"),
+    (TOOLS, {"type": "function", "function": {"name": "get_news"}}, "not among"),
+    (TOOLS, {"type": "function"}, "expected"),
+    (TOOLS, {"function": {"name": "get_time"}}, "expected"),
+    (None, "required", "needs tools"),
+    (None, NAMED, "not among"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"a": {}}}}}], "required",
+     r"tools\[0\].function.parameters: .*patternProperties"),
+])
+def test_bad_tool_choices_are_value_errors(tools, choice, match):
+    with pytest.raises(ValueError, match=match): tool_choice_constraint(tools, choice)
+
+
+def test_none_forces_nothing_and_a_function_without_parameters_takes_any_object():
+    assert tool_choice_constraint(TOOLS, "none") is None and tool_choice_constraint(None, "none") is None
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    assert json.loads(tool_choice_constraint(bare, {"type": "function", "function": {"name": "ping"}}).json) == {"type": "object"}
+
+
+@pytest.fixture(scope="module")
+def tok(): return load_tokenizer()
+
+
+def random_walk(spec, tok, rng: random.Random, max_steps: int = 300) -> str:
+    "Allowed tokens drawn uniformly (EOS as soon as it is allowed after 3 steps): the text."
+    state, vocab, text = ConstraintState(compile_structured(spec, tok, tok.stop_token_ids, tok.vocab_size)), vocabulary_bytes(tok, tok.vocab_size), b""
+    for step in range(max_steps):
+        t = tok.eos_token_id if step >= 3 and state.accepts() else rng.choice(state.allowed().nonzero().flatten().tolist())
+        if state.advance(t) == FINAL: return text.decode()
+        text += vocab[t]
+    raise AssertionError(f"no end after {max_steps} tokens: {text!r}")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_every_forced_output_parses_into_calls_that_follow_their_schemas(tok, parallel):
+    rng = random.Random(int(parallel))
+    for _ in range(25):
+        text = random_walk(tool_choice_constraint(TOOLS, "required", parallel), tok, rng)
+        calls = parse_tool_calls(text, TOOLS, "required")
+        assert calls and (parallel or len(calls) == 1), text
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_weather": assert follows_weather(call["function"]["arguments"])
+            else: assert call["function"]["name"] == "get_time" and set(arguments) == {"timezone"} and len(arguments["timezone"]) <= 12
+        named = random_walk(tool_choice_constraint(TOOLS, NAMED, parallel), tok, rng)
+        assert follows_weather(parse_tool_calls(named, TOOLS, NAMED)[0]["function"]["arguments"])
+
+
+def test_reading_calls_back():
+    calls = parse_tool_calls('[{"name": "get_time", "parameters": {"timezone": "UTC"}}, '
+                             '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]', TOOLS, "required")
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"timezone": "UTC"}, {"city": "Oslo", "unit": "celsius"}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert parse_tool_calls('{"city": "Os', TOOLS, NAMED)[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    assert parse_tool_calls('[{"name": "get_ti', TOOLS, "required") is None  # cut short: no calls
+
+
+def test_messages_and_finish_reasons():
+    array = '[{"name": "get_time", "parameters": {"timezone": "UTC"}}]'
+    message, reason = tool_message(array, "stop", TOOLS, "required")
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_time" and reason == "tool_calls"
+    assert tool_message(array[:-3], "length", TOOLS, "required") == ({"role": "assistant", "content": array[:-3]}, "length")
+    message, reason = tool_message('{"city": "Oslo", "unit": "celsius"}', "stop", TOOLS, NAMED)
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather" and reason == "stop"  # OpenAI: a named call stops
+    assert tool_message("Hello", "stop", TOOLS, "none") == ({"role": "assistant", "content": "Hello"}, "stop")
+    assert tool_message("Hello", "length", None, None) == ({"role": "assistant", "content": "Hello"}, "length")
+
+
+def test_streams():
+    pieces = ['{"city', '": "Oslo", ', '', '"unit": "celsius"}']
+    stream = ToolCallStream(TOOLS, NAMED)
+    deltas = [stream.delta(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert deltas[2] is None  # nothing new
+    first, *rest = [d["tool_calls"][0] for d in deltas if d]
+    assert first["id"].startswith("call_") and first["function"]["name"] == "get_weather" and first["index"] == 0
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    assert "".join([first["function"]["arguments"], *(d["function"]["arguments"] for d in rest)]) == "".join(pieces)
+    array = '[{"name": "get_time", "parameters": {"timezone": "UTC"}}]'
+    stream = ToolCallStream(TOOLS, "required")
+    assert stream.delta(array[:20], False) is None and stream.delta(array[20:], False) is None
+    (call,) = stream.delta("", True)["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_time", "arguments": '{"timezone": "UTC"}'}
+    cut = ToolCallStream(TOOLS, "required")
+    assert cut.delta(array[:20], True) == {"content": array[:20]}
+
+
+def test_template_messages():
+    call = tool_call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+    message = template_message({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert message["content"] == "" and message["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "unit": "celsius"}
+    assert message["tool_calls"][0]["id"] == call["id"]
+    odd = template_message({"role": "assistant", "content": "x", "tool_calls": [tool_call("f", "not json")]})
+    assert odd["content"] == "x" and odd["tool_calls"][0]["function"]["arguments"] == "not json"
+    plain = {"role": "user", "content": "hi"}
+    assert template_message(plain) is plain
+
+
+# --- the server ------------------------------------------------------------------------------------------------------
+
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% for t in tools %}{{ t.function.name }}{{ t.function.parameters | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }} {{ c.function.arguments.city }}</call>{% endfor %}{% endif %}
+{%- if m.role == "tool" %}[{{ m.tool_call_id }}] {% endif %}{{ m.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+CHAT = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = make_server(port=0, max_model_len=512, num_kv_blocks=200, device="cpu", log_level="warning")
+    with run_in_thread(server) as u: yield u
+
+
+@pytest.fixture(scope="module")
+def client(url): return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_named_function_is_called_with_arguments_that_follow_its_schema(client):
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "stop" and choice.message.content is None and call.function.name == "get_weather"
+    assert follows_weather(call.function.arguments) and call.id.startswith("call_")
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, temperature=0,
+                                            max_tokens=40, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert calls[0].function.name == "get_weather" and calls[0].id and all(c.id is None and c.index == 0 for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == call.function.arguments  # greedy: the same arguments, in pieces
+    assert deltas[-1].finish_reason == "stop" and not any(d.delta.content for d in deltas)
+
+
+@pytest.mark.parametrize("parallel", [False, None])
+def test_required_makes_calls_to_the_tools(client, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", temperature=0,
+                                       max_tokens=120, **extra)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    if choice.finish_reason == "length": assert choice.message.content and not choice.message.tool_calls; return
+    assert choice.message.tool_calls and (parallel is None or len(choice.message.tool_calls) == 1)
+    assert all(c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
+               for c in choice.message.tool_calls)
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", temperature=0,
+                                            max_tokens=120, stream=True, **extra)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [c for d in deltas for c in d.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [(c.function.name, c.function.arguments)
+                                                                           for c in choice.message.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_a_conversation_continues_with_the_tools_result(client, url):
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=40)
+    call = r.choices[0].message.tool_calls[0]
+    conversation = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=conversation, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    tokens = httpx.post(f"{url}/tokenize", json={"model": DEFAULT_MODEL, "messages": conversation}).json()["tokens"]
+    prompt = httpx.post(f"{url}/detokenize", json={"model": DEFAULT_MODEL, "tokens": tokens}).json()["prompt"]
+    assert '<|im_start|>tool\n{"temperature": 18}<|im_end|>' in prompt  # SmolLM2's template prints the result, not the call
+
+
+def test_tools_and_calls_reach_a_template_that_prints_them():
+    server = make_server(port=0, max_model_len=512, num_kv_blocks=64, device="cpu", log_level="warning", chat_template=TOOLS_TEMPLATE)
+    with run_in_thread(server) as u:
+        call = tool_call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+        conversation = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}]
+        tokens = httpx.post(f"{u}/tokenize", json={"model": DEFAULT_MODEL, "messages": conversation, "tools": TOOLS}).json()["tokens"]
+        prompt = httpx.post(f"{u}/detokenize", json={"model": DEFAULT_MODEL, "tokens": tokens}).json()["prompt"]
+        assert 'get_weather{"type": "object"' in prompt and "get_time" in prompt  # the tools, as the template lists them
+        assert "<call>get_weather Oslo</call>" in prompt  # the call's arguments reach the template as an object
+        assert f"[{call['id']}] 18 C" in prompt
+        r = httpx.post(f"{u}/v1/chat/completions", json={"model": DEFAULT_MODEL, "messages": conversation, "tools": TOOLS,
+                                                        "tool_choice": NAMED, "max_tokens": 40, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and follows_weather(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"tools": TOOLS}, "tool_choice", "tools without a tool_choice mean 'auto'"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a parser"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice", "get_news"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"}, "tools", "tools[0].function.name"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"a": {}}}}}],
+      "tool_choice": "required"}, "tool_choice", "tools[1].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, None, "one structured output"),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "18 C"}]}, "messages[1]", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [tool_call("f", "{}")]}]}, "messages[0]", "only the assistant"),
+    ({"messages": [*CHAT, {"role": "function", "name": "f", "content": "x"}]}, "messages[1]", "'tool' message"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]}, "messages[1].tool_calls[0].function", ""),
+    ({"chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs", "tools"),
+])
+def test_bad_tool_requests_are_400s_that_say_why(url, body, param, words):
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": DEFAULT_MODEL, "messages": CHAT, "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_llm_chat_shows_the_tools_to_the_template_and_a_forced_call_parses():
+    from nanoserve import LLM, SamplingParams
+    llm = LLM(max_model_len=512, num_kv_blocks=64, device="cpu")
+    call = tool_call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+    conversation = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}]
+    (out,) = llm.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TOOLS_TEMPLATE, tools=TOOLS)
+    assert "get_time" in out.prompt and "<call>get_weather Oslo</call>" in out.prompt and f"[{call['id']}] 18 C" in out.prompt
+    forced = SamplingParams(temperature=0, max_tokens=40, structured_outputs=tool_choice_constraint(TOOLS, NAMED))
+    (out,) = llm.chat(CHAT, forced, use_tqdm=False, tools=TOOLS)
+    assert follows_weather(parse_tool_calls(out.text, TOOLS, NAMED)[0]["function"]["arguments"])
+    with pytest.raises(ValueError, match=r"tools\[0\].function.name"):
+        llm.chat(CHAT, use_tqdm=False, tools=[{"type": "function", "function": {"name": "a b"}}])
+
+
+def test_every_choice_of_n_is_a_call(client):
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, n=3, seed=1, max_tokens=40)
+    assert len(r.choices) == 3 and all(follows_weather(c.message.tool_calls[0].function.arguments) for c in r.choices)
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, n=3, seed=1,
+                                            max_tokens=40, stream=True)
+    arguments = {}
+    for c in stream:
+        for choice in c.choices:
+            for call in choice.delta.tool_calls or []: arguments[choice.index] = arguments.get(choice.index, "") + call.function.arguments
+    assert [arguments[i] for i in range(3)] == [c.message.tool_calls[0].function.arguments for c in r.choices]  # seeded: the same
