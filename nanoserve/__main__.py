@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['GENERATE_MAX_TOKENS', 'prepare', 'sampling_params', 'run_generate', 'json_object', 'add_generation_config_args',
            'add_generate_parser', 'add_engine_args', 'engine_options', 'check_output_path', 'run_bench_throughput',
-           'run_bench_latency', 'add_bench_parser', 'run_serve', 'add_serve_parser', 'run_bench_serve',
-           'add_bench_serve_parser', 'build_parser', 'main']
+           'run_bench_latency', 'add_bench_parser', 'run_serve', 'tool_call_parser', 'add_serve_parser',
+           'run_bench_serve', 'add_bench_serve_parser', 'build_parser', 'main']
 
 # %% ../chapters/90_cli.ipynb #8e7da62b
 import argparse, dataclasses, json, logging, os, sys
@@ -25,6 +25,7 @@ from .speculative import speculative_generate
 from .server import serve
 from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
+from .tool_calls import TOOL_CALL_PARSERS
 
 # %% ../chapters/90_cli.ipynb #a1fd9ce1
 def prepare(args) -> int:
@@ -219,7 +220,14 @@ def run_serve(args) -> int:
     return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                  timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level,
-                 engine_process=args.engine_process, chat_template=args.chat_template, **engine_options(args))
+                 engine_process=args.engine_process, chat_template=args.chat_template, tool_call_parser=tool_call_parser(args),
+                 **engine_options(args))
+
+def tool_call_parser(args) -> str | None:
+    "The parser for tool_choice 'auto': --tool-call-parser, which vLLM's --enable-auto-tool-choice needs beside it."
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format in which the model writes its tool calls")
+    return args.tool_call_parser
 
 def add_serve_parser(sub):
     "The `serve` subcommand: the server's flags and the engine's."
@@ -237,6 +245,9 @@ def add_serve_parser(sub):
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own (chapter 12e; default), or in a thread of the server's")
     p.add_argument("--chat-template", default=None, help="a chat template file, or the template itself, instead of the model's")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                   help="the format of the model's tool calls (hermes: Qwen2.5, Qwen3, Hermes), for tool_choice 'auto' (chapter 6d)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help="vLLM's flag beside --tool-call-parser, accepted for its command lines")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 

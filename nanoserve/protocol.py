@@ -18,7 +18,7 @@ __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'AtDefault'
 import codecs, dataclasses, time, uuid
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from .engine import RequestOutput, TokenLogprobs
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, choice_seed
@@ -103,9 +103,8 @@ def structured_spec(name: str, value) -> StructuredOutputs | None:
     return StructuredOutputs(**{name.removeprefix("guided_"): value})
 
 def structured_outputs(req) -> StructuredOutputs | None:
-    "The one structured-output constraint a request asks for, under any of OpenAI's and vLLM's names or by forcing a tool call, or None."
-    given = next((s for name in STRUCTURED_FIELDS if (s := structured_spec(name, getattr(req, name))) is not None), None)
-    return given if given is not None or not hasattr(req, "tool_constraint") else req.tool_constraint()
+    "The one structured-output constraint a request asks for, under any of OpenAI's and vLLM's names, or None."
+    return next((s for name in STRUCTURED_FIELDS if (s := structured_spec(name, getattr(req, name))) is not None), None)
 
 # %% ../chapters/12b_protocol.ipynb #1e6560ad
 class SamplingRequest(OpenAIModel):
@@ -307,7 +306,7 @@ class ChatTemplateOptions(OpenAIModel):
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, v): return None if v is None else check_tools(v)
+    def _tools(cls, v): return check_tools(v) if v else None  # [] is no tools, as vLLM takes it
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -324,31 +323,38 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: StrictBool = False  # vLLM: the tokenizer's own special tokens too, around the template's text
-    tool_choice: str | dict | None = Field(None, validate_default=True)  # chapter 6d; None: 'auto' with tools, else 'none'
+    tool_choice: str | dict | None = None  # chapter 6d; None: 'auto' with tools, else 'none'
     parallel_tool_calls: StrictBool = True  # with tool_choice 'required': false asks for one call
     echo: AtDefault = None                  # vLLM's: the answer after the last message, if it has the answer's role
     documents: AtDefault = None
     structural_tag: AtDefault = None
 
     _null_is_default_here = field_validator("logprobs", "parallel_tool_calls", mode="before")(classmethod(null_is_default))
+    _tool_constraint: tuple | None = PrivateAttr(None)  # (tool_constraint(),), built once
 
     @field_validator("tool_choice")
     @classmethod
-    def _forcible(cls, v, info):  # `tools` is a field of ChatTemplateOptions, which pydantic validates first
-        tools = info.data.get("tools")
-        if v is None and tools:  # OpenAI's default with tools is 'auto', which needs a parser
-            raise ValueError("tools without a tool_choice mean 'auto' (OpenAI's default), which needs a parser for the model's own "
-                             "way of writing tool calls; nanoserve has none: set tool_choice to 'required', a named function, or 'none'")
-        if v is not None: tool_choice_constraint(tools, v)  # refuses 'auto', and a choice of a missing or unbuildable tool
+    def _buildable_choice(cls, v, info):  # `tools` (ChatTemplateOptions) and `stop` (SamplingRequest) are validated first
+        if v is not None and tool_choice_constraint(info.data.get("tools"), v) is not None:  # a missing tool, an unbuildable schema
+            if stops := [f for f in ("stop", "stop_token_ids") if info.data.get(f)]:
+                raise ValueError(f"tool_choice={v!r} with {stops[0]}: a stop could cut the forced call short of its JSON")
         return v
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        "The tool_choice, or OpenAI's default: 'auto' when there are tools, 'none' when there are not."
+        return self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
 
     def tool_constraint(self) -> StructuredOutputs | None:
         "The structured output that forces the request's tool call (chapter 6d), or None if it forces none."
-        return tool_choice_constraint(self.tools, self.tool_choice or "none", self.parallel_tool_calls)
+        if self._tool_constraint is None:
+            self._tool_constraint = (tool_choice_constraint(self.tools, self.effective_tool_choice, self.parallel_tool_calls),)
+        return self._tool_constraint[0]
 
     @model_validator(mode="after")
     def _tool_call_or_structure(self):
-        if self.tool_constraint() is not None and (other := next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), None)):
+        other = next((n for n in STRUCTURED_FIELDS if structured_spec(n, getattr(self, n)) is not None), None)
+        if other and self.tool_constraint() is not None:
             raise ValueError(f"tool_choice={self.tool_choice!r} and {other}: a request may ask for one structured output")
         return self
 
@@ -433,7 +439,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defa
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens,
-                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=structured_outputs(req))
+                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=structured_outputs(req) or
+                          (req.tool_constraint() if isinstance(req, ChatCompletionRequest) else None))
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653
 class PromptTokensDetails(BaseModel):
@@ -628,10 +635,11 @@ def completion_response(rid: str, model: str, outs: list, tokenizer, n: int = 1,
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outs if echo is None else [echo.counted(out) for out in outs], n)}
 
-def chat_response(rid: str, model: str, outs: list, tokenizer, tools: list | None = None, tool_choice=None) -> dict:
-    """The body of a finished, non-streamed chat completion: one choice per output, all of one conversation; where
-    `tool_choice` forced a call, the calls (chapter 6d's tool_message)."""
-    messages = [tool_message(out.text, out.finish_reason, tools, tool_choice) for out in outs]  # (message, finish reason)
+def chat_response(rid: str, model: str, outs: list, tokenizer, tools: list | None = None, tool_choice=None,
+                  parser: str | None = None) -> dict:
+    """The body of a finished, non-streamed chat completion: one choice per output, all of one conversation; with tools,
+    the calls that `tool_choice` forced or that `parser` found (chapter 6d's tool_message)."""
+    messages = [tool_message(out.text, out.finish_reason, tools, tool_choice, parser) for out in outs]  # (message, finish reason)
     choices = [{"index": i, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
                 "logprobs": chat_logprobs(out, tokenizer, 0, len(out.token_ids))}
                for i, (out, (message, reason)) in enumerate(zip(outs, messages))]

@@ -25,7 +25,7 @@ from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, Reque
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL, resolve_model
 from .tokenizer import load_chat_template, template_options
-from .tool_calls import ToolCallStream, tool_message
+from .tool_calls import ToolCallStream, tool_call_parser as tool_call_parser_of
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
@@ -233,12 +233,12 @@ async def completion_events(outputs: list, rid: str, model: str, tokenizer, incl
     yield sse("[DONE]")
 
 async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_usage: bool, continuous_usage: bool = False,
-                      num_prompt_tokens: int = 0, tools: list | None = None, tool_choice=None):
+                      num_prompt_tokens: int = 0, tools: list | None = None, tool_choice=None, parser: str | None = None):
     """The events of a streamed chat completion: per choice the role, content deltas and the finish reason; [usage], [DONE].
     `continuous_usage`: every chunk with its choice's token counts so far (the role's: the prompt's `num_prompt_tokens`).
-    Where `tool_choice` forces a call, tool-call deltas instead of content (chapter 6d's ToolCallStream)."""
+    With tools, tool-call deltas for the calls `tool_choice` forces or `parser` finds (chapter 6d's ToolCallStream)."""
     created, k = int(time.time()), len(outputs)
-    calls = [ToolCallStream(tools, tool_choice) if tool_choice not in (None, "none") else None for _ in range(k)]
+    calls = [ToolCallStream(tools, tool_choice, parser) if tool_choice not in (None, "none") else None for _ in range(k)]
     sent_text, sent_tokens, last = [0] * k, [0] * k, [None] * k
     so_far = usage if continuous_usage else lambda outs: None
     opened = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens} if continuous_usage else None
@@ -247,14 +247,18 @@ async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_us
             yield sse(chunk(rid, model, created, True, [chat_delta(None, tokenizer, {"role": "assistant", "content": ""}, index=i)], opened))
         try:
             async for i, out in choices:
-                text, end = out.text[sent_text[i]:], len(out.token_ids)
-                delta = {"content": text} if calls[i] is None else calls[i].delta(text, out.finished)
-                if delta or end > sent_tokens[i] and out.logprobs is not None:  # a call's delta may wait for the end
-                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, delta or {}, sent_tokens[i], end, i)],
+                text, start, end = out.text[sent_text[i]:], sent_tokens[i], len(out.token_ids)
+                if calls[i] is None: delta, send = {"content": text}, end > start
+                else:  # a call's delta may wait for more text; the new tokens' log probabilities may not
+                    delta = calls[i].delta(text, out.finished)
+                    send = bool(delta) or end > start and out.logprobs is not None and not out.finished
+                if send:
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, delta or {}, start, end, i)], so_far([out])))
+                    start = end
+                if out.finished:  # with any log probabilities not sent yet
+                    reason = None if calls[i] is None else calls[i].finish_reason(out.finish_reason)
+                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, start, end, i, finish_reason=reason)],
                                     so_far([out])))
-                if out.finished:
-                    reason = None if calls[i] is None else tool_message(calls[i].text, out.finish_reason, tools, tool_choice)[1]
-                    yield sse(chunk(rid, model, created, True, [chat_delta(out, tokenizer, {}, index=i, finish_reason=reason)], so_far([out])))
                 sent_text[i], sent_tokens[i], last[i] = len(out.text), end, out
         except (RequestFailed, EngineStopped) as e:
             yield failed_events(e)
@@ -326,8 +330,8 @@ TEXT_MARGIN = 4  # check_chars refuses text over this many times what the longes
 
 class OpenAIServer:
     "What the route handlers share: the async engine, the served model's name, tokenizer, context length and KV capacity, the metrics."
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_call_parser: str | None = None):
+        self.engine, self.model_name, self.tool_call_parser = engine, model_name, tool_call_parser
         self.sampling_defaults = engine.sampling_defaults  # the model's (chapter 11b), under each request's own fields
         self.tokenizer, self.max_model_len, self.kv_capacity = engine.tokenizer, engine.max_model_len, engine.kv_capacity
         if self.kv_capacity < self.max_model_len:  # vLLM refuses to start; here the model card says what fits (below)
@@ -337,6 +341,16 @@ class OpenAIServer:
         self.created = int(time.time())
         # no token stands for more characters than its vocabulary string has (bytes, in a byte-level vocabulary)
         self.max_token_chars = max(map(len, self.tokenizer.backend.get_vocab()), default=1) if self.tokenizer else 0
+
+    def tool_choice(self, req: ChatCompletionRequest) -> str | dict:
+        "The request's tool_choice, OpenAI's default in its place, after checking that 'auto' has a parser."
+        choice = req.effective_tool_choice
+        if choice == "auto" and self.tool_call_parser is None:
+            explicit = "" if req.tool_choice is not None else "tools without a tool_choice mean 'auto' (OpenAI's default); "
+            raise InvalidRequest(f"{explicit}tool_choice 'auto' needs a parser for the model's own way of writing tool calls, and this "
+                                 "server was started without one (nanoserve serve --tool-call-parser hermes): set tool_choice to "
+                                 "'required', a named function, or 'none'", "tool_choice")
+        return choice
 
     def check_model(self, name: str | None):
         if name is not None and name != self.model_name:
@@ -457,7 +471,8 @@ class OpenAIServer:
         engine.check_room(choices)  # a 503 before any of them is sent, rather than some sent, then aborted
         try: params = [(ids, sampling_params(req, budget, j, self.sampling_defaults)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
         except ValueError as e:  # SamplingParams' checks of one field against another (min_tokens against the budget)
-            raise InvalidRequest(str(e), str(e).partition("=")[0]) from None  # its messages start with the field's name
+            named = re.match(r"(\w+)=", str(e))  # its messages start with the field's name, where one field is at fault
+            raise InvalidRequest(str(e), named and named.group(1)) from None
         adds, waited = [asyncio.ensure_future(engine.add_request(ids, p)) for ids, p in params], False
         try:
             await asyncio.wait(adds)
@@ -564,6 +579,7 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         "Answer a conversation, rendered with the model's chat template; with `stream: true`, as server-sent events."
         server.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        tool_choice, parser = server.tool_choice(req), server.tool_call_parser
         prompt = await server.chat_prompt(req)
         streams = await unless_client_leaves(server.start([prompt], req, req.max_completion_tokens or req.max_tokens, param,
                                                           "messages"), request)
@@ -572,10 +588,10 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         outputs = [server.engine.outputs(s) for s in streams]
         if req.stream:
             return EventStream(chat_events(outputs, rid, server.model_name, server.tokenizer, *_usage_options(req), len(prompt),
-                                           req.tools, req.tool_choice), abort)
+                                           req.tools, tool_choice, parser), abort)
         outs = await final_outputs(outputs, request, abort)
         if outs is None: return Response(status_code=499)
-        return chat_response(rid, server.model_name, outs, server.tokenizer, req.tools, req.tool_choice)
+        return chat_response(rid, server.model_name, outs, server.tokenizer, req.tools, tool_choice, parser)
 
 # %% ../chapters/12c_server.ipynb #4ce4db2c
 def _cause(e: Exception) -> str:
@@ -619,7 +635,7 @@ def check_api_key(api_key):
         raise ValueError(f"api_key={api_key!r}: expected a non-empty string, or None for no authentication")
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0) -> FastAPI:
+              max_request_bytes: int = 8 * 2**20, drain_seconds: float = 30.0, tool_call_parser: str | None = None) -> FastAPI:
     "The FastAPI app that serves `engine` under `model_name`; the engine thread runs while the app does."
     check_api_key(api_key)
     @contextlib.asynccontextmanager
@@ -630,7 +646,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan, redirect_slashes=False,  # a 404, not a bare 307
                   description="An OpenAI-compatible server for one model, built in the nanoserve course.")
-    app.state.server = server = OpenAIServer(engine, model_name)
+    app.state.server = server = OpenAIServer(engine, model_name, tool_call_parser)
     add_routes(app, server)
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
@@ -671,13 +687,15 @@ def check_port(port):
 def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                 api_key: str | None = None, max_waiting: int = 2048, max_request_bytes: int = 8 * 2**20,
                 timeout_graceful_shutdown: float = 30.0, log_level: str = "info", engine_process: bool = False,
-                chat_template: str | None = None, **engine_options) -> DrainingServer:
+                chat_template: str | None = None, tool_call_parser: str | None = None, **engine_options) -> DrainingServer:
     """Load the model into an engine (in a process of its own if `engine_process`, chapter 12e) and wrap it in a uvicorn
-    server (not started). `chat_template`: a template file or the template itself, for chat requests instead of the model's."""
+    server (not started). `chat_template`: a template file or the template itself, for chat requests instead of the model's.
+    `tool_call_parser`: the format in which the model writes tool calls (chapter 6d's TOOL_CALL_PARSERS), for tool_choice 'auto'."""
     if timeout_graceful_shutdown < 0: raise ValueError(f"timeout_graceful_shutdown={timeout_graceful_shutdown}: expected >= 0 seconds")
     if max_request_bytes < 1: raise ValueError(f"max_request_bytes={max_request_bytes}: expected >= 1")
     check_api_key(api_key)  # these are checked again where they are used; here, before the model loads
     check_port(port)
+    if tool_call_parser is not None: tool_call_parser_of(tool_call_parser)
     if chat_template is not None:
         chat_template = load_chat_template(chat_template)
         if not (resolve_model(model, config_only=True) / "tokenizer.json").exists():
@@ -693,7 +711,8 @@ def make_server(model=None, host: str = "127.0.0.1", port: int = 8000, served_mo
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template  # the server renders every conversation, and reports the template, with it
         log.info("chat requests use the chat template given (%d characters), not the model's", len(chat_template))
-    app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown)
+    app = build_app(engine, served_model_name or model or DEFAULT_MODEL, api_key, max_request_bytes, timeout_graceful_shutdown,
+                    tool_call_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown + 5)  # the drain, then time to write the last events
     return DrainingServer(config, engine, timeout_graceful_shutdown)
