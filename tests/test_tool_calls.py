@@ -12,8 +12,8 @@ from nanoserve.structured import FINAL, ConstraintState, compile_structured, voc
 from nanoserve.tokenizer import load_tokenizer
 from nanoserve.engine import RequestMetrics, RequestOutput
 from nanoserve.server import chat_events
-from nanoserve.tool_calls import (HermesStream, ToolCallStream, check_tools, held_back, parse_hermes, parse_tool_calls, template_message,
-                                  tool_call, tool_call_parser, tool_choice_constraint, tool_message)
+from nanoserve.tool_calls import (HermesStream, Llama3JsonStream, ToolCallStream, check_tools, held_back, parse_hermes, parse_llama3_json,
+                                  parse_tool_calls, template_message, tool_call, tool_call_parser, tool_choice_constraint, tool_message)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -315,6 +315,33 @@ def test_parse_hermes():
         assert parse_hermes(text) == (text, None)
     assert [held_back(t, "<tool_call>") for t in ("abc<tool_c", "abc<", "abc", "<tool_call")] == [7, 1, 0, 10]
     with pytest.raises(ValueError, match="tool call parser 'llama3'"): tool_call_parser("llama3")
+
+
+LLAMA_TEXTS = ['{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+               '<|python_tag|>{"name": "get_time", "arguments": {"timezone": "CET"}}; {"name": "get_weather", "parameters": {}}',
+               "  The weather is nice.", "{not json", '{"name": "f"} and then prose', " ", "<|python", '\n{"name": "f", "parameters": {"a": "b"}};']
+
+
+def test_parse_llama3_json():
+    content, calls = parse_llama3_json(LLAMA_TEXTS[1])
+    assert content is None and named_calls(calls) == [("get_time", '{"timezone": "CET"}'), ("get_weather", "{}")]
+    assert named_calls(parse_llama3_json(LLAMA_TEXTS[7])[1]) == [("f", '{"a": "b"}')]
+    for text in LLAMA_TEXTS[2:7]: assert parse_llama3_json(text) == (text, None)
+    message, reason = tool_message(LLAMA_TEXTS[0], "stop", TOOLS, "auto", "llama3_json")
+    assert message["content"] is None and follows_weather(message["tool_calls"][0]["function"]["arguments"]) and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("text", LLAMA_TEXTS)
+def test_a_llama3_json_stream_in_any_pieces_says_what_the_whole_text_says(text):
+    want_content, want_calls = parse_llama3_json(text)
+    for seed in range(60):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream = Llama3JsonStream()
+        deltas = [d for i, p in enumerate(pieces) if (d := stream.delta(p, i == len(pieces) - 1))]
+        assert ("".join(d.get("content", "") for d in deltas) or None) == (want_content if want_calls else text or None), pieces
+        assert named_calls(c for d in deltas for c in d.get("tool_calls", [])) == named_calls(want_calls)
 
 
 @pytest.mark.parametrize("text", TEXTS)
