@@ -5,14 +5,15 @@
 # %% auto #0
 __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'AtDefault', 'STRUCTURED_FIELDS', 'TEMPLATE_OWN',
            'OpenAIModel', 'null_is_default', 'StreamOptions', 'only_accepted', 'JsonSchemaFormat', 'ResponseFormat',
-           'StructuredOutputsField', 'structured_spec', 'structured_outputs', 'SamplingRequest', 'CompletionRequest',
+           'StructuredOutputsField', 'structured_spec', 'structure_asked', 'SamplingRequest', 'CompletionRequest',
            'TextPart', 'FunctionCall', 'MessageToolCall', 'ChatMessage', 'ChatTemplateOptions', 'ChatCompletionRequest',
            'TokenizeRequest', 'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest',
-           'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage', 'CompletionLogprobs', 'CompletionChoice',
-           'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob', 'ChatLogprobs', 'AssistantMessage', 'ChatChoice',
-           'ChatCompletionResponse', 'ModelCard', 'ModelList', 'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes',
-           'token_text', 'usage', 'TextOffsets', 'completion_logprobs', 'chat_logprobs', 'new_id', 'joined', 'Echo',
-           'completion_choice', 'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
+           'request_constraint', 'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage',
+           'CompletionLogprobs', 'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob',
+           'ChatLogprobs', 'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList',
+           'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage', 'TextOffsets',
+           'completion_logprobs', 'chat_logprobs', 'new_id', 'joined', 'Echo', 'completion_choice',
+           'completion_response', 'chat_response', 'chunk', 'completion_delta', 'chat_delta']
 
 # %% ../chapters/12b_protocol.ipynb #b9f25739
 import codecs, dataclasses, time, uuid
@@ -23,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from .engine import RequestOutput, TokenLogprobs
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, choice_seed
 from .structured import StructuredOutputs
-from .tool_calls import check_tools, template_message, tool_choice_constraint, tool_message
+from .tool_calls import check_tools, forces_call, template_message, tool_choice_constraint, tool_message
 from .tokenizer import TEMPLATE_PARAMETERS, Tokenizer, content_text
 
 # %% ../chapters/12b_protocol.ipynb #de0a4b6a
@@ -102,9 +103,9 @@ def structured_spec(name: str, value) -> StructuredOutputs | None:
         return StructuredOutputs(json=value.json_, regex=value.regex, choice=value.choice, json_object=bool(value.json_object))
     return StructuredOutputs(**{name.removeprefix("guided_"): value})
 
-def structured_outputs(req) -> StructuredOutputs | None:
-    "The one structured-output constraint a request asks for, under any of OpenAI's and vLLM's names, or None."
-    return next((s for name in STRUCTURED_FIELDS if (s := structured_spec(name, getattr(req, name))) is not None), None)
+def structure_asked(name: str, value) -> bool:
+    "Whether field `name` of STRUCTURED_FIELDS, with `value`, asks for a constraint (plain text does not); builds nothing."
+    return value is not None and not (name == "response_format" and value.type == "text")
 
 # %% ../chapters/12b_protocol.ipynb #1e6560ad
 class SamplingRequest(OpenAIModel):
@@ -186,15 +187,9 @@ class SamplingRequest(OpenAIModel):
                              "sample it draws; leave best_of out or equal to n")
         return v
 
-    @field_validator(*STRUCTURED_FIELDS)
-    @classmethod
-    def _buildable(cls, v, info):  # a constraint that chapter 6c cannot build is refused here, by its field's name
-        structured_spec(info.field_name, v)  # StructuredOutputs checks its pattern when it is made
-        return v
-
     @model_validator(mode="after")
-    def _one_structure(self):
-        given = [name for name in STRUCTURED_FIELDS if structured_spec(name, getattr(self, name)) is not None]
+    def _one_structure(self):  # whether chapter 6c can build it is checked later, off the event loop (request_constraint)
+        given = [name for name in STRUCTURED_FIELDS if structure_asked(name, getattr(self, name))]
         if len(given) > 1: raise ValueError(f"{given[0]} and {given[1]}: a request may ask for one structured output")
         return self
 
@@ -334,8 +329,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 
     @field_validator("tool_choice")
     @classmethod
-    def _buildable_choice(cls, v, info):  # `tools` (ChatTemplateOptions) and `stop` (SamplingRequest) are validated first
-        if v is not None and tool_choice_constraint(info.data.get("tools"), v) is not None:  # a missing tool, an unbuildable schema
+    def _forcible_choice(cls, v, info):  # `tools` (ChatTemplateOptions) and `stop` (SamplingRequest) are validated first
+        if v is not None and forces_call(info.data.get("tools"), v):  # a missing tool; the schemas are built later
             if stops := [f for f in ("stop", "stop_token_ids") if info.data.get(f)]:
                 raise ValueError(f"tool_choice={v!r} with {stops[0]}: a stop could cut the forced call short of its JSON")
         return v
@@ -353,8 +348,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 
     @model_validator(mode="after")
     def _tool_call_or_structure(self):
-        other = next((n for n in STRUCTURED_FIELDS if structured_spec(n, getattr(self, n)) is not None), None)
-        if other and self.tool_constraint() is not None:
+        other = next((n for n in STRUCTURED_FIELDS if structure_asked(n, getattr(self, n))), None)
+        if other and forces_call(self.tools, self.effective_tool_choice):
             raise ValueError(f"tool_choice={self.tool_choice!r} and {other}: a request may ask for one structured output")
         return self
 
@@ -409,6 +404,18 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+def request_constraint(req) -> StructuredOutputs | None:
+    """The constraint a request asks for: a structured output under any of its names, or a forced tool call (chapter
+    6d); None. Built and checked here, an InvalidRequest naming the field if chapter 6c cannot build it. A large pattern
+    takes up to a second of CPU, so the server calls this in a worker thread, not in the request's validation."""
+    for name in STRUCTURED_FIELDS:
+        try: spec = structured_spec(name, getattr(req, name))
+        except ValueError as e: raise InvalidRequest(str(e), name) from None
+        if spec is not None: return spec
+    if not isinstance(req, ChatCompletionRequest): return None
+    try: return req.tool_constraint()
+    except ValueError as e: raise InvalidRequest(str(e), "tool_choice") from None
+
 def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens",
                  prompt_param: str = "prompt", kv_capacity: int | None = None) -> int:
     """How many tokens a request may generate: its own limit, or by default all that the prompt leaves. Checked
@@ -439,8 +446,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defa
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens,
-                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=structured_outputs(req) or
-                          (req.tool_constraint() if isinstance(req, ChatCompletionRequest) else None))
+                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=request_constraint(req))
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653
 class PromptTokensDetails(BaseModel):

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TOOL_NAME', 'HERMES_OPEN', 'HERMES_CLOSE', 'TOOL_CALL_PARSERS', 'PYTHON_TAG', 'check_tools', 'chosen_tool',
-           'arguments_schema', 'arguments_constraint', 'tool_choice_constraint', 'new_call_id', 'tool_call',
-           'parse_tool_calls', 'call_finish_reason', 'tool_message', 'ToolCallStream', 'template_message',
+           'arguments_schema', 'arguments_constraint', 'forces_call', 'tool_choice_constraint', 'new_call_id',
+           'tool_call', 'parse_tool_calls', 'call_finish_reason', 'tool_message', 'ToolCallStream', 'template_message',
            'hermes_call', 'parse_hermes', 'held_back', 'HermesStream', 'tool_call_parser', 'parse_llama3_json',
            'Llama3JsonStream']
 
@@ -62,14 +62,19 @@ def arguments_constraint(tools: list, name: str) -> StructuredOutputs:
     try: return StructuredOutputs(json=arguments_schema(tools[i]["function"]))
     except ValueError as e: raise ValueError(f"tools[{i}].function.parameters: {e}") from None
 
+def forces_call(tools: list | None, tool_choice) -> bool:
+    "Whether `tool_choice` forces a call (a named function, 'required'), after checking it against the tools; builds nothing."
+    chosen_tool(tools, tool_choice)
+    if tool_choice in ("none", "auto"): return False  # 'auto': the model chooses, in its own format (a parser reads it, below)
+    if not tools: raise ValueError(f"tool_choice={reprlib.repr(tool_choice)} needs tools to choose from")
+    return True
+
 def tool_choice_constraint(tools: list | None, tool_choice, parallel_tool_calls: bool = True) -> StructuredOutputs | None:
     """The structured output that forces a tool call: a named function's arguments, or with 'required' a JSON array of
     calls [{"name": ..., "parameters": {...}}] to any of the tools (one call unless `parallel_tool_calls`); None for
     'none' and 'auto', which force nothing."""
-    function = chosen_tool(tools, tool_choice)
-    if tool_choice in ("none", "auto"): return None  # 'auto': the model chooses, in its own format (a parser reads it, below)
-    if not tools: raise ValueError(f"tool_choice={reprlib.repr(tool_choice)} needs tools to choose from")
-    if function is not None: return arguments_constraint(tools, function["name"])
+    if not forces_call(tools, tool_choice): return None
+    if (function := chosen_tool(tools, tool_choice)) is not None: return arguments_constraint(tools, function["name"])
     for t in tools: arguments_constraint(tools, t["function"]["name"])  # each tool's schema can be built on its own
     call = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": arguments_schema(t["function"])},
              "required": ["name", "parameters"]} for t in tools]

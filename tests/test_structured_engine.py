@@ -164,3 +164,30 @@ def test_bad_structured_requests_are_400s(url, body, param):
     assert param is None or error["param"].split(".")[0] == param, error  # e.g. response_format.type
     assert time.monotonic() - t0 < 5, "refused, but slowly"
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_building_constraints_leaves_the_event_loop_free(url):
+    "Automata of large patterns (0.2-0.5 s each) are built in worker threads: the server answers /health meanwhile."
+    import asyncio
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            patterns = [f"[{a}{b}]*{a}[{a}{b}]{{13}}" for a, b in ("cd", "ef", "gh", "ij")]  # 2^14 states each, new to the caches
+            start = time.monotonic()
+            posts = [asyncio.create_task(client.post("/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 1,
+                                                                              "guided_regex": p})) for p in patterns]
+            waits = []
+            while not all(p.done() for p in posts):
+                t0 = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                waits.append(time.monotonic() - t0)
+                await asyncio.sleep(0.01)
+            assert all(p.result().status_code == 200 for p in posts), [p.result().text for p in posts]
+            return waits, time.monotonic() - start
+
+    t0 = time.monotonic()
+    StructuredOutputs(regex="[kl]*k[kl]{13}")  # one such build, here, on this machine as loaded as it is
+    one_build = time.monotonic() - t0
+    waits, total = asyncio.run(main())
+    # on the event loop the four builds ran in a row while /health waited, four builds long (1.6 s against 0.46 s for one)
+    assert len(waits) >= 5 and max(waits) < 2 * one_build, (one_build, total, waits)
