@@ -331,32 +331,29 @@ def test_parse_llama3_json():
     assert message["content"] is None and follows_weather(message["tool_calls"][0]["function"]["arguments"]) and reason == "tool_calls"
 
 
-@pytest.mark.parametrize("text", LLAMA_TEXTS)
-def test_a_llama3_json_stream_in_any_pieces_says_what_the_whole_text_says(text):
-    want_content, want_calls = parse_llama3_json(text)
-    for seed in range(60):
+def check_streams_in_pieces(parse, stream_class, text: str, seeds: int = 60):
+    "Streamed in random pieces, `text` gives the content and the calls that `parse` finds in it whole (or, without calls, the text)."
+    want_content, want_calls = parse(text)
+    for seed in range(seeds):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream = Llama3JsonStream()
+        stream = stream_class()
         deltas = [d for i, p in enumerate(pieces) if (d := stream.delta(p, i == len(pieces) - 1))]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
         assert ("".join(d.get("content", "") for d in deltas) or None) == (want_content if want_calls else text or None), pieces
-        assert named_calls(c for d in deltas for c in d.get("tool_calls", [])) == named_calls(want_calls)
+        assert named_calls(calls) == named_calls(want_calls) and [c["index"] for c in calls] == list(range(len(calls)))
+
+
+@pytest.mark.parametrize("text", LLAMA_TEXTS)
+def test_a_llama3_json_stream_in_any_pieces_says_what_the_whole_text_says(text):
+    check_streams_in_pieces(parse_llama3_json, Llama3JsonStream, text)
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_hermes_stream_in_any_pieces_says_what_the_whole_text_says(text):
-    want_content, want_calls = parse_hermes(text)
-    if want_calls is None and "<tool_call>{" in text and "</tool_call>" in text: return  # a broken block: the stream shows it as text too
-    for seed in range(60):
-        rng = random.Random(seed)
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream = HermesStream()
-        deltas = [d for i, p in enumerate(pieces) if (d := stream.delta(p, i == len(pieces) - 1))]
-        calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert ("".join(d.get("content", "") for d in deltas) or None) == (want_content if want_calls else text), pieces
-        assert named_calls(calls) == named_calls(want_calls) and [c["index"] for c in calls] == list(range(len(calls)))
+    if parse_hermes(text)[1] is None and "<tool_call>{" in text and "</tool_call>" in text: return  # a broken block: the stream shows it as text too
+    check_streams_in_pieces(parse_hermes, HermesStream, text)
 
 
 def test_auto_messages_and_streams_through_the_server_code():
