@@ -330,6 +330,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     @field_validator("tool_choice")
     @classmethod
     def _forcible_choice(cls, v, info):  # `tools` (ChatTemplateOptions) and `stop` (SamplingRequest) are validated first
+        if v == "auto" and not info.data.get("tools"): raise ValueError("tool_choice='auto' needs tools to choose from")
         if v is not None and forces_call(info.data.get("tools"), v):  # a missing tool; the schemas are built later
             if stops := [f for f in ("stop", "stop_token_ids") if info.data.get(f)]:
                 raise ValueError(f"tool_choice={v!r} with {stops[0]}: a stop could cut the forced call short of its JSON")

@@ -242,6 +242,7 @@ def test_tools_and_calls_reach_a_template_that_prints_them():
     ({"tools": TOOLS}, "tool_choice", "tools without a tool_choice mean 'auto'"),  # this server has no parser
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice", "get_news"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"}, "tools", "tools[0].function.name"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"a": {}}}}}],
