@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GENERATE_MAX_TOKENS', 'prepare', 'sampling_params', 'run_generate', 'json_object', 'add_generation_config_args',
            'add_generate_parser', 'add_engine_args', 'engine_options', 'check_output_path', 'run_bench_throughput',
-           'run_bench_latency', 'add_bench_parser', 'run_serve', 'tool_call_parser', 'add_serve_parser',
+           'run_bench_latency', 'add_bench_parser', 'run_serve', 'auto_tool_parser', 'add_serve_parser',
            'run_bench_serve', 'add_bench_serve_parser', 'build_parser', 'main']
 
 # %% ../chapters/90_cli.ipynb #8e7da62b
@@ -220,10 +220,10 @@ def run_serve(args) -> int:
     return serve(args.model_arg or args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                  timeout_graceful_shutdown=args.timeout_graceful_shutdown, log_level=args.log_level,
-                 engine_process=args.engine_process, chat_template=args.chat_template, tool_call_parser=tool_call_parser(args),
+                 engine_process=args.engine_process, chat_template=args.chat_template, tool_call_parser=auto_tool_parser(args),
                  **engine_options(args))
 
-def tool_call_parser(args) -> str | None:
+def auto_tool_parser(args) -> str | None:
     "The parser for tool_choice 'auto': --tool-call-parser, which vLLM's --enable-auto-tool-choice needs beside it."
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format in which the model writes its tool calls")

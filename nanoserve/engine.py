@@ -542,7 +542,7 @@ def _chat(self: LLM, messages, sampling_params=None, use_tqdm: bool = True, *, c
         raise ValueError(f"messages={messages!r:.80}: expected a conversation (a non-empty list of messages) or a list of them")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
     options = {"chat_template": chat_template, **template_options(add_generation_prompt, chat_template_kwargs)}  # vLLM's merge
-    if tools is not None: options["tools"] = check_tools(tools)
+    if tools: options["tools"] = check_tools(tools)  # [] is no tools, as the server takes it
     texts = []
     for i, conversation in enumerate(conversations):
         try: texts.append(tok.apply_chat_template(_text_messages(conversation), **options))

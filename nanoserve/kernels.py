@@ -362,7 +362,8 @@ def _programs_per_wave(q, k_cache, block_tables, num_splits: int, window: int | 
     return _PROGRAMS_PER_SM[key] * _num_sms(q.device)
 
 def decode_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, window: int | None = None) -> int:
-    "Splits per context that paged_decode_attention chooses for these inputs: choose_num_splits, capped at one wave on a GPU."
+    """Splits per context that paged_decode_attention chooses for these inputs: choose_num_splits, and with DECODE_ONE_WAVE
+    on a GPU no more than one wave of the kernel that many splits would launch (its tile may change with the cap)."""
     _, block_size, K, D = k_cache.shape
     B, sms = len(q), _num_sms(q.device)
     seen = min(block_tables.shape[1] * block_size, window or math.inf)  # the longest context the tables hold, or the window

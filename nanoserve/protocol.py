@@ -8,7 +8,7 @@ __all__ = ['Items', 'MAX_STOPS', 'MAX_N', 'MAX_CHOICES', 'ACCEPTED', 'AtDefault'
            'StructuredOutputsField', 'structured_spec', 'structure_asked', 'SamplingRequest', 'CompletionRequest',
            'TextPart', 'FunctionCall', 'MessageToolCall', 'ChatMessage', 'ChatTemplateOptions', 'ChatCompletionRequest',
            'TokenizeRequest', 'DetokenizeRequest', 'TokenizeResponse', 'DetokenizeResponse', 'InvalidRequest',
-           'request_constraint', 'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage',
+           'asks_constraint', 'request_constraint', 'token_budget', 'sampling_params', 'PromptTokensDetails', 'Usage',
            'CompletionLogprobs', 'CompletionChoice', 'CompletionResponse', 'TopLogprob', 'ChatTokenLogprob',
            'ChatLogprobs', 'AssistantMessage', 'ChatChoice', 'ChatCompletionResponse', 'ModelCard', 'ModelList',
            'ErrorInfo', 'ErrorResponse', 'token_text_and_bytes', 'token_text', 'usage', 'TextOffsets',
@@ -405,6 +405,11 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+def asks_constraint(req) -> bool:
+    "Whether a request asks for a constraint: a structured output, or a forced tool call; builds nothing."
+    return (any(structure_asked(name, getattr(req, name)) for name in STRUCTURED_FIELDS) or
+            isinstance(req, ChatCompletionRequest) and forces_call(req.tools, req.effective_tool_choice))
+
 def request_constraint(req) -> StructuredOutputs | None:
     """The constraint a request asks for: a structured output under any of its names, or a forced tool call (chapter
     6d); None. Built and checked here, an InvalidRequest naming the field if chapter 6c cannot build it. A large pattern
@@ -415,7 +420,7 @@ def request_constraint(req) -> StructuredOutputs | None:
         if spec is not None: return spec
     if not isinstance(req, ChatCompletionRequest): return None
     try: return req.tool_constraint()
-    except ValueError as e: raise InvalidRequest(str(e), "tool_choice") from None
+    except ValueError as e: raise InvalidRequest(str(e), "tools" if str(e).startswith("tools[") else "tool_choice") from None
 
 def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, param: str = "max_tokens",
                  prompt_param: str = "prompt", kv_capacity: int | None = None) -> int:
@@ -434,7 +439,8 @@ def token_budget(max_tokens: int | None, num_prompt_tokens: int, max_model_len: 
                          f"{prompt_param if too_long else f'{prompt_param} or the {param}'}.", prompt_param if too_long else param)
 
 # %% ../chapters/12b_protocol.ipynb #3ee260f0
-def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defaults: dict | None = None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defaults: dict | None = None,
+                    constraint: StructuredOutputs | None = None) -> SamplingParams:  # constraint: request_constraint's, if built
     """The SamplingParams of one choice (0 to n - 1) of a request: its fields; where it left them out, `defaults` (the
     model's, chapter 6b's generation_defaults, but max_tokens: that is the budget), then SamplingParams' own."""
     given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
@@ -447,7 +453,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int, choice: int = 0, defa
     return SamplingParams(**given, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                           skip_special_tokens=req.skip_special_tokens,
-                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=request_constraint(req))
+                          logprobs=top, prompt_logprobs=prompt_top, structured_outputs=constraint or request_constraint(req))
 
 # %% ../chapters/12b_protocol.ipynb #9cfb5653
 class PromptTokensDetails(BaseModel):

@@ -29,7 +29,8 @@ from .tool_calls import ToolCallStream, tool_call_parser as tool_call_parser_of
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
-                                completion_delta, completion_response, joined, new_id, request_constraint, sampling_params, token_budget, usage)
+                                asks_constraint, completion_delta, completion_response, joined, new_id, request_constraint, sampling_params,
+                                token_budget, usage)
 
 log = logging.getLogger(__name__)
 
@@ -468,9 +469,10 @@ class OpenAIServer:
         if limit is not None and choices > limit:  # it could never be queued whole
             raise InvalidRequest(f"This request asks for {choices} choices ({len(prompts)} prompts x n={req.n}), but this "
                                  f"server queues at most {limit} requests.", "n" if req.n > 1 else prompt_param)
+        # a structured output's automaton takes up to a second to build: off the event loop, and before the room is checked
+        constraint = await asyncio.to_thread(request_constraint, req) if asks_constraint(req) else None
         engine.check_room(choices)  # a 503 before any of them is sent, rather than some sent, then aborted
-        await asyncio.to_thread(request_constraint, req)  # a structured output's automaton: up to a second, off the event loop
-        try: params = [(ids, sampling_params(req, budget, j, self.sampling_defaults)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
+        try: params = [(ids, sampling_params(req, budget, j, self.sampling_defaults, constraint)) for ids, budget in zip(prompts, budgets) for j in range(req.n)]
         except ValueError as e:  # SamplingParams' checks of one field against another (min_tokens against the budget)
             named = re.match(r"(\w+)=", str(e))  # its messages start with the field's name, where one field is at fault
             raise InvalidRequest(str(e), named and named.group(1)) from None

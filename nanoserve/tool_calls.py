@@ -118,8 +118,9 @@ def tool_message(text: str, finish_reason: str | None, tools: list, tool_choice,
 
 # %% ../chapters/06d_tool_calls.ipynb #tc000020
 class ToolCallStream:
-    """The deltas of one streamed choice whose tool call is forced: a named function's arguments as they are generated,
-    or, with 'required', all calls at once when the array is complete (its text, if it was cut short)."""
+    """The deltas of one streamed choice with tools: a forced named function's arguments as they are generated (a call cut
+    short by max_tokens ends with broken arguments here, where a whole output gives its text), with 'required' all calls
+    at once when the array is complete (its text, if it was cut short), with 'auto' what the parser's stream finds."""
     def __init__(self, tools: list, tool_choice, parser: str | None = None):
         self.tools, self.tool_choice, self.function = tools, tool_choice, chosen_tool(tools, tool_choice)
         self.text, self.called = "", False
@@ -172,10 +173,13 @@ def hermes_call(block: str, index: int | None = None) -> dict | None:
 
 def parse_hermes(text: str) -> tuple:
     """(content, calls) of a finished output in the Hermes format (Qwen2.5, Qwen3, Hermes 2 Pro and 3): the calls of its
-    <tool_call> blocks and the text before the first, or (text, None) where it has none or one does not parse."""
-    blocks = re.findall(re.escape(HERMES_OPEN) + "(.*?)" + re.escape(HERMES_CLOSE), text, re.S)
-    calls = [hermes_call(b) for b in blocks]
-    if not calls or None in calls: return text, None
+    <tool_call> blocks and the text before the first. A block that does not parse ends the calls there; if it is the
+    first, or there is none, the output is text: (text, None)."""
+    calls = []
+    for block in re.findall(re.escape(HERMES_OPEN) + "(.*?)" + re.escape(HERMES_CLOSE), text, re.S):
+        if (call := hermes_call(block)) is None: break
+        calls.append(call)
+    if not calls: return text, None
     return text[:text.index(HERMES_OPEN)] or None, calls
 
 def held_back(text: str, tag: str) -> int:
@@ -183,27 +187,31 @@ def held_back(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 class HermesStream:
-    """Deltas of a streamed output in the Hermes format: its text as content up to a <tool_call> (holding back what may
-    begin the tag), each call once its block is closed, and nothing after the first call but more calls."""
-    def __init__(self): self.pending, self.in_call, self.calls = "", False, 0
+    """Deltas of a streamed output in the Hermes format, the same as parse_hermes finds in the whole: its text as content
+    up to a <tool_call> (holding back what may begin the tag), then each call once its block is closed, and nothing else
+    but calls; all text if the first block does not parse."""
+    def __init__(self): self.pending, self.in_call, self.calls, self.text_only, self.done = "", False, 0, False, False
 
     def delta(self, text: str, finished: bool) -> dict | None:
         self.pending += text
         content, calls = "", []
-        while True:
+        while not self.done:
+            if self.text_only: content, self.pending = content + self.pending, ""; break
             tag = HERMES_CLOSE if self.in_call else HERMES_OPEN
             at = self.pending.find(tag)
             if at < 0:
                 keep = 0 if finished else held_back(self.pending, tag)
-                if not self.in_call:  # text: shown before the first call, dropped after one (as parse_hermes drops it)
+                if not self.in_call:  # text: shown before the first call, dropped after one
                     content += "" if self.calls else self.pending[:len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
-                elif finished: content, self.pending = content + HERMES_OPEN + self.pending, ""  # an unclosed block stays text
+                elif finished:  # a block cut short: text if no call came before it, else dropped
+                    content, self.pending = content + ("" if self.calls else HERMES_OPEN + self.pending), ""
                 break
             before, self.pending = self.pending[:at], self.pending[at + len(tag):]
-            if not self.in_call: content += before if not self.calls else ""  # after a call, only calls
-            elif (call := hermes_call(before, self.calls)) is None: content += HERMES_OPEN + before + HERMES_CLOSE
-            else: calls.append(call); self.calls += 1
+            if not self.in_call: content += "" if self.calls else before
+            elif (call := hermes_call(before, self.calls)) is not None: calls.append(call); self.calls += 1
+            elif self.calls: self.done, self.pending = True, ""  # a broken block after calls: it and the rest are dropped
+            else: self.text_only, content = True, content + HERMES_OPEN + before + HERMES_CLOSE  # the first is broken: all text
             self.in_call = not self.in_call
         delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
         return delta or None

@@ -499,7 +499,7 @@ def test_gpu_decode_real_shapes(shape, dtype):
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gpu_one_wave_reads_the_compiled_kernel(shape, monkeypatch):
-    "On a GPU the wave comes from the compiled kernel's registers and shared memory, and the capped split equals the uncapped."
+    "On a GPU the wave comes from the compiled kernel's registers and shared memory, and the capped output equals the uncapped."
     H, K, D = SHAPES[shape]
     lens = [4096] * 64  # 2 splits by DECODE_PROGRAMS_PER_SM: more than one wave of the 128-key tile on an H100
     args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=13)

@@ -246,7 +246,7 @@ def test_tools_and_calls_reach_a_template_that_prints_them():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice", "get_news"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"}, "tools", "tools[0].function.name"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"a": {}}}}}],
-      "tool_choice": "required"}, "tool_choice", "tools[1].function.parameters"),
+      "tool_choice": "required"}, "tools", "tools[1].function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, None, "one structured output"),
     ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
     ({"messages": [*CHAT, {"role": "tool", "content": "18 C"}]}, "messages[1]", "tool_call_id"),
@@ -280,6 +280,8 @@ def test_llm_chat_shows_the_tools_to_the_template_and_a_forced_call_parses():
     assert follows_weather(parse_tool_calls(out.text, TOOLS, NAMED)[0]["function"]["arguments"])
     with pytest.raises(ValueError, match=r"tools\[0\].function.name"):
         llm.chat(CHAT, use_tqdm=False, tools=[{"type": "function", "function": {"name": "a b"}}])
+    (plain,) = llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False, tools=[])[0].prompt == plain.prompt  # [] is no tools
 
 
 def test_every_choice_of_n_is_a_call(client):
@@ -300,7 +302,9 @@ HERMES = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city"
           '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
 TEXTS = [HERMES, "A plain answer, with < and <tool and <tool_ca inside.", '<tool_call>{"name": "f"}</tool_call>',
          'x<tool_call>{"name": "f", "arguments": "{}"}</tool_call> after', "<tool_call>{not json}</tool_call>",
-         'cut <tool_call>{"name": "f", "argu', "<tool_c"]
+         'cut <tool_call>{"name": "f", "argu', "<tool_c",
+         '<tool_call>{"name": "f"}</tool_call>\n<tool_call>oops</tool_call> then <tool_call>{"name": "g"}</tool_call>',  # found by a review
+         '<tool_call>{"name": "f"}</tool_call><tool_call>{"name": "g', 'A<tool_call>bad</tool_call>B<tool_call>{"name": "g"}</tool_call>']
 
 
 def named_calls(calls) -> list: return [(c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
@@ -312,8 +316,10 @@ def test_parse_hermes():
                                                                 ("get_time", '{"timezone": "CET"}')]
     content, calls = parse_hermes('<tool_call>{"name": "f"}</tool_call>')
     assert content is None and named_calls(calls) == [("f", "{}")]
-    for text in ["no calls", "<tool_call>{bad}</tool_call>", '<tool_call>["f"]</tool_call>', "<tool_call>unclosed"]:
+    for text in ["no calls", "<tool_call>{bad}</tool_call>", '<tool_call>["f"]</tool_call>', "<tool_call>unclosed", TEXTS[-1]]:
         assert parse_hermes(text) == (text, None)
+    assert named_calls(parse_hermes(TEXTS[-3])[1]) == [("f", "{}")]  # a broken block ends the calls, the rest dropped
+    assert parse_hermes(TEXTS[-2])[0] is None and named_calls(parse_hermes(TEXTS[-2])[1]) == [("f", "{}")]
     assert [held_back(t, "<tool_call>") for t in ("abc<tool_c", "abc<", "abc", "<tool_call")] == [7, 1, 0, 10]
     with pytest.raises(ValueError, match="tool call parser 'llama3'"): tool_call_parser("llama3")
 
@@ -353,7 +359,6 @@ def test_a_llama3_json_stream_in_any_pieces_says_what_the_whole_text_says(text):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_hermes_stream_in_any_pieces_says_what_the_whole_text_says(text):
-    if parse_hermes(text)[1] is None and "<tool_call>{" in text and "</tool_call>" in text: return  # a broken block: the stream shows it as text too
     check_streams_in_pieces(parse_hermes, HermesStream, text)
 
 
