@@ -246,7 +246,7 @@ def add_serve_parser(sub):
                    help="run the engine in a process of its own (chapter 12e; default), or in a thread of the server's")
     p.add_argument("--chat-template", default=None, help="a chat template file, or the template itself, instead of the model's")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                   help="the format of the model's tool calls (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1, 3.2), for tool_choice 'auto' (chapter 6d)")
+                   help="the format of the model's tool calls (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1, 3.2; pythonic: Llama 3.2, 4; mistral: Mistral), for tool_choice 'auto' (chapter 6d)")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="vLLM's flag beside --tool-call-parser, accepted for its command lines")
     add_engine_args(p)
     p.set_defaults(func=run_serve)

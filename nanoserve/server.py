@@ -25,7 +25,7 @@ from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, Reque
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL, resolve_model
 from .tokenizer import load_chat_template, template_options
-from .tool_calls import ToolCallStream, tool_call_parser as tool_call_parser_of
+from .tool_calls import KEEPS_SPECIAL_TOKENS, ToolCallStream, tool_call_parser as tool_call_parser_of
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                 DetokenizeRequest, DetokenizeResponse, Echo, TokenizeRequest, TokenizeResponse,
                                 ErrorResponse, InvalidRequest, ModelCard, ModelList, TextOffsets, chat_delta, chat_response, chunk,
@@ -583,6 +583,7 @@ def add_routes(app: FastAPI, server: OpenAIServer):
         server.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         tool_choice, parser = server.tool_choice(req), server.tool_call_parser
+        if tool_choice == "auto" and parser in KEEPS_SPECIAL_TOKENS: req.skip_special_tokens = False  # the parser reads such tags
         prompt = await server.chat_prompt(req)
         streams = await unless_client_leaves(server.start([prompt], req, req.max_completion_tokens or req.max_tokens, param,
                                                           "messages"), request)

@@ -12,8 +12,9 @@ from nanoserve.structured import FINAL, ConstraintState, compile_structured, voc
 from nanoserve.tokenizer import load_tokenizer
 from nanoserve.engine import RequestMetrics, RequestOutput
 from nanoserve.server import chat_events
-from nanoserve.tool_calls import (HermesStream, Llama3JsonStream, ToolCallStream, check_tools, held_back, parse_hermes, parse_llama3_json,
-                                  parse_tool_calls, template_message, tool_call, tool_call_parser, tool_choice_constraint, tool_message)
+from nanoserve.tool_calls import (HermesStream, Llama3JsonStream, MistralStream, PythonicStream, ToolCallStream, check_tools, held_back,
+                                  parse_hermes, parse_llama3_json, parse_mistral, parse_pythonic, parse_tool_calls, template_message,
+                                  tool_call, tool_call_parser, tool_choice_constraint, tool_message)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -360,6 +361,78 @@ def test_a_llama3_json_stream_in_any_pieces_says_what_the_whole_text_says(text):
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_hermes_stream_in_any_pieces_says_what_the_whole_text_says(text):
     check_streams_in_pieces(parse_hermes, HermesStream, text)
+
+
+def test_a_call_needs_a_valid_name_and_arguments_that_are_an_object():
+    for block in ['{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": "[1]"}', '{"name": "f", "arguments": "{bad"}',
+                  '{"name": "no spaces", "arguments": {}}', '{"name": "", "arguments": {}}', '{"name": "f", "arguments": 3}']:
+        text = f"<tool_call>{block}</tool_call>"
+        assert parse_hermes(text) == (text, None), block
+    assert parse_llama3_json('{"name": "f", "parameters": [1]}')[1] is None
+    assert named_calls(parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1]) == [("f", '{"a": 1}')]
+
+
+# --- 'auto': the pythonic format (Llama 3.2, Llama 4) and Mistral's ------------------------------------------------------
+
+PYTHONIC_TEXTS = ['[get_weather(city="Paris", unit="celsius"), get_time(timezone="CET")]',
+                  '<|python_start|>[f(a=-1, b=(1, 2.5), c={"k": [None, True]}, d=null, e=\'é\')]<|python_end|>',
+                  '  [f()]  ', "[link](http://x) is prose", "[f(x)]", "[f(a=g())]", "[f(a=x)]", "[os.system(cmd='ls')]",
+                  "[f(**{'a': 1})]", "[f(a={1: 2})]", "[f(a={1, 2})]", "[f(a=1e999)]", "[f(a=b'x')]", "[f(a=1j)]", "[]",
+                  "[f(a=1)", "[f(a=1, a=2)]", "[f(a=-True)]", "Sunny.", "<|python_st", "[f(a=1)] and more"]
+
+
+def test_parse_pythonic():
+    content, calls = parse_pythonic(PYTHONIC_TEXTS[0])
+    assert content is None and named_calls(calls) == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                                                       ("get_time", '{"timezone": "CET"}')]
+    assert named_calls(parse_pythonic(PYTHONIC_TEXTS[1])[1]) == [("f", '{"a": -1, "b": [1, 2.5], "c": {"k": [null, true]}, "d": null, "e": "é"}')]
+    assert named_calls(parse_pythonic(PYTHONIC_TEXTS[2])[1]) == [("f", "{}")]
+    for text in PYTHONIC_TEXTS[3:]: assert parse_pythonic(text) == (text, None), text  # not a list of calls with literals: text
+    deep = "[f(a=" + "[" * 300 + "]" * 300 + ")]"
+    assert parse_pythonic(deep) == (deep, None)  # Python's parser refuses the nesting; no RecursionError escapes
+    message, reason = tool_message(PYTHONIC_TEXTS[0], "stop", TOOLS, "auto", "pythonic")
+    assert message["content"] is None and follows_weather(message["tool_calls"][0]["function"]["arguments"]) and reason == "tool_calls"
+
+
+MISTRAL_TEXTS = ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time"}]',
+                 'Let me check.[TOOL_CALLS]get_time[ARGS]{"timezone": "CET"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+                 "No calls [TOOL here, [ARGS] neither.", "[TOOL_CALLS]", "[TOOL_CALLS] []", "[TOOL_CALLS] [1, 2]",
+                 '[TOOL_CALLS]f[ARGS]{"a": 1} and prose', "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]f{}", 'x[TOOL_CALLS]bad name[ARGS]{}',
+                 '[TOOL_CALLS] [{"name": "f", "arguments": {}}', "[TOOL_", '[TOOL_CALLS]get_time[ARGS]{"timezone": "CET"}[TOOL_CALLS]g']
+
+
+def test_parse_mistral():
+    content, calls = parse_mistral(MISTRAL_TEXTS[0])
+    assert content is None and named_calls(calls) == [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", "{}")]
+    content, calls = parse_mistral(MISTRAL_TEXTS[1])
+    assert content == "Let me check." and named_calls(calls) == [("get_time", '{"timezone": "CET"}'), ("get_weather", '{"city": "Oslo"}')]
+    for text in MISTRAL_TEXTS[2:]: assert parse_mistral(text) == (text, None), text
+
+
+@pytest.mark.parametrize("parse,stream_class,text", [(parse_pythonic, PythonicStream, t) for t in PYTHONIC_TEXTS]
+                         + [(parse_mistral, MistralStream, t) for t in MISTRAL_TEXTS])
+def test_pythonic_and_mistral_streams_in_any_pieces_say_what_the_whole_text_says(parse, stream_class, text):
+    check_streams_in_pieces(parse, stream_class, text, seeds=30)
+
+
+@pytest.fixture(scope="module")
+def mistral_url():
+    server = make_server(port=0, max_model_len=512, num_kv_blocks=64, device="cpu", log_level="warning", tool_call_parser="mistral")
+    with run_in_thread(server) as u: yield u
+
+
+def test_a_parser_whose_tags_are_special_tokens_sees_them_in_the_text(mistral_url, hermes_url):
+    "Mistral's [TOOL_CALLS] is a special token: with that parser an 'auto' request keeps special tokens in its text, as in vLLM."
+    start = load_tokenizer().backend.token_to_id("<|im_start|>")  # a special token of SmolLM2's, forced with logit_bias
+    body = {"model": DEFAULT_MODEL, "messages": CHAT, "max_tokens": 2, "logit_bias": {str(start): 100}, "tools": TOOLS}
+    content = {}
+    for name, url in (("mistral", mistral_url), ("hermes", hermes_url)):
+        for choice in ("auto", "none"):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "tool_choice": choice}, timeout=120)
+            assert r.status_code == 200, r.text
+            content[name, choice] = r.json()["choices"][0]["message"]["content"]
+    assert content["mistral", "auto"] == "<|im_start|><|im_start|>"
+    assert not content["mistral", "none"] and not content["hermes", "auto"]  # skipped, the default
 
 
 def test_auto_messages_and_streams_through_the_server_code():
