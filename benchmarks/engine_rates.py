@@ -1,12 +1,14 @@
 """Output tokens per second of LLM.generate on random-weight requests, one rate per named set of SamplingParams fields:
 the engine-level numbers of penalty_cost.py and sampler_profile.py (imported by them, not a script of its own)."""
-import random, time
+import contextlib, random, time
 
 from nanoserve.sampling import SamplingParams
 
 
-def engine_rates(model: str, settings: dict, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256) -> dict:
-    "LLM.generate on `model` (a config, random weights) with each of settings {name: SamplingParams fields}, in order."
+def engine_rates(model: str, settings: dict, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256,
+                 contexts: dict | None = None) -> dict:
+    """LLM.generate on `model` (a config, random weights) with each of settings {name: SamplingParams fields}, in order;
+    a setting named in `contexts` ({name: a function that returns a context manager}) runs inside its context."""
     from nanoserve import LLM
     llm = LLM(model, load_format="dummy")
     rng = random.Random(0)
@@ -14,8 +16,9 @@ def engine_rates(model: str, settings: dict, num_requests: int = 256, prompt_len
     rates = {}
     for name, fields in settings.items():
         llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(**fields, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
-        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+        with (contexts or {}).get(name, contextlib.nullcontext)():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(**fields, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
+            rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
     return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
             "output_tokens_per_s": rates}

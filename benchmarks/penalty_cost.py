@@ -1,10 +1,12 @@
-"""What the penalties cost a decode step: the sampler with and without them, on the device, and the host's work for the
+"""What the penalties cost a decode step: the sampler without them, with chapter 6b's apply_penalties (dense: tables of
+B x V) and with chapter 9b's apply_penalties_fused (only the tokens seen), on the device; and the host's work for the
 token history: sending every token from host lists (chapter 6b's TokenHistory.from_lists) against the engine's rows kept
-on the device (chapter 11a's TokenHistories), for batches of 1 to 256 rows with Llama-3's vocabulary. Prints JSON.
+on the device (chapter 11a's TokenHistories), for batches of 1 to 256 rows with Llama-3's vocabulary. With --engine, the
+engine's rate plainly, with the fused penalties (the engine's own) and with the dense ones, in one run. Prints JSON.
 
     python benchmarks/penalty_cost.py [--out results.json]
 """
-import argparse, json, platform, random, statistics, sys, time
+import argparse, contextlib, json, os, platform, random, statistics, sys, time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import torch
 
 from engine_rates import engine_rates as shared_engine_rates  # benchmarks/, this script's folder
 from nanoserve.benchmark import _median_seconds
-from nanoserve.model_runner import TokenHistories
+from nanoserve.fused_ops import apply_penalties_fused
+from nanoserve.model_runner import ModelRunner, TokenHistories
 from nanoserve.sampling import SamplingParams, TokenHistory, sample
 from nanoserve.scheduler import Sequence
 
@@ -47,15 +50,28 @@ def row(B: int, device) -> dict:
     engine_step()  # each sequence's row is filled once, on its first step
     return {"batch": B, "sampler_ms": gpu_ms(lambda: sample(logits, plain)),
             "sampler_with_penalties_ms": gpu_ms(lambda: sample(logits, penalised, history=history)),
+            "sampler_with_fused_penalties_ms": gpu_ms(lambda: sample(logits, penalised, history=history, penalize=apply_penalties_fused)),
             "history_from_host_lists_host_ms": host_ms(lambda: TokenHistory.from_lists(prompts, outputs, device)),
             "history_rows_on_device_host_ms": host_ms(engine_step)}
 
 
+@contextlib.contextmanager
+def dense_penalties():
+    "The engine with chapter 6b's dense apply_penalties in place of the fused kernels (the runner's `penalize` off)."
+    fused = ModelRunner.penalize
+    ModelRunner.penalize = property(lambda self: None)
+    try: yield
+    finally: ModelRunner.penalize = fused
+
+
 def engine_rates(model: str) -> dict:
-    "Output tokens per second of LLM.generate on random-weight requests, sampled plainly and with the three penalties."
+    """Output tokens per second of LLM.generate on random-weight requests, sampled plainly and with the three penalties,
+    fused (the engine's default on a GPU) and dense, alternated."""
     base = dict(temperature=0.8, top_p=0.95)
-    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-    return shared_engine_rates(model, {"plain": base, "penalties": base | penalties, "plain_again": base})
+    penalties = base | dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    return shared_engine_rates(model, {"plain": base, "penalties": penalties, "penalties_dense": penalties, "plain_again": base,
+                                       "penalties_again": penalties, "penalties_dense_again": penalties},
+                               contexts={"penalties_dense": dense_penalties, "penalties_dense_again": dense_penalties})
 
 
 def main(argv=None):
@@ -66,6 +82,7 @@ def main(argv=None):
     device = torch.device("cuda")
     res = {"benchmark": "penalty_cost", "device": torch.cuda.get_device_name(device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+           "code_commit": os.environ.get("GIT_COMMIT", "unknown"),  # the device machine's copy of the tree has no history
            "settings": {"vocab": VOCAB, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "dtype": "bfloat16",
                         "timer": "median of CUDA events around each sampler call (the stream's time, launch gaps included); perf_counter for the host's lists"},
            "rows": [row(B, device) for B in (1, 64, 256)]}

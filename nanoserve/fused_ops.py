@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['SILU_BLOCK', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_NUM_WARPS', 'GEMV_NUM_STAGES', 'LOGPROB_BLOCK_V', 'SEARCH_BLOCK_V',
-           'SEARCH_NUM_WARPS', 'SEARCH_SMS_PER_PROGRAM', 'rms_norm', 'rope', 'silu_and_mul', 'merge_linears',
-           'merge_biases', 'add_rms_norm', 'gemv', 'linear', 'logprob_rows', 'token_logprobs_fused', 'search_programs',
-           'search_filter', 'fuse_small_ops', 'unfuse_small_ops']
+           'SEARCH_NUM_WARPS', 'SEARCH_SMS_PER_PROGRAM', 'PENALTY_BLOCK', 'SEEN_IN_PROMPT', 'rms_norm', 'rope',
+           'silu_and_mul', 'merge_linears', 'merge_biases', 'add_rms_norm', 'gemv', 'linear', 'logprob_rows',
+           'token_logprobs_fused', 'search_programs', 'search_filter', 'apply_penalties_fused', 'fuse_small_ops',
+           'unfuse_small_ops']
 
 # %% ../chapters/09b_fused_ops.ipynb #efe58ad6
 import types
@@ -21,7 +22,7 @@ from .kernels import _follow_early, _num_sms, _pdl, interpreting
 from .mlp import MLP
 from .model import Transformer
 from .norm import RMSNorm
-from .sampling import SamplerOutput
+from .sampling import SamplerOutput, TokenHistory
 
 # %% ../chapters/09b_fused_ops.ipynb #06b6acf7
 @triton.jit
@@ -457,6 +458,85 @@ def search_filter(logits: torch.Tensor,  # (B, V) float32, float16 or bfloat16
                                        KEY_BITS=key_bits, BLOCK_V=min(SEARCH_BLOCK_V, triton.next_power_of_2(V)),
                                        LIBDEVICE=not interpreting(), P=P, num_warps=SEARCH_NUM_WARPS)
     return out
+
+# %% ../chapters/09b_fused_ops.ipynb #pen9b002
+PENALTY_BLOCK = 1024  # history entries per program
+SEEN_IN_PROMPT = 1 << 30  # a counter's high bit: the token is in the prompt; the bits below count it in the output
+
+@triton.jit
+def _count_seen_kernel(prompt_ptr, output_ptr, counts_ptr, Lp, Lo, V, stride_p, stride_o, stride_c,
+                       BLOCK: tl.constexpr, SEEN: tl.constexpr):
+    b, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    row = counts_ptr + b.to(tl.int64) * stride_c
+    ids = tl.load(prompt_ptr + b * stride_p + offs, mask=offs < Lp, other=-1)  # -1 pads a row's history
+    tl.atomic_or(row + ids, tl.full((BLOCK,), SEEN, tl.int32), mask=(ids >= 0) & (ids < V))
+    ids = tl.load(output_ptr + b * stride_o + offs, mask=offs < Lo, other=-1)
+    tl.atomic_add(row + ids, tl.full((BLOCK,), 1, tl.int32), mask=(ids >= 0) & (ids < V))
+
+@triton.jit
+def _penalize_entries(ids_ptr, L, offs, V, row_counts, row_logits, presence, frequency, repetition, SEEN: tl.constexpr):
+    "Penalise the logits of the tokens at offs of one history row: each token by the one entry that takes its counter."
+    ids = tl.load(ids_ptr + offs, mask=offs < L, other=-1)
+    valid = (ids >= 0) & (ids < V)
+    old = tl.atomic_xchg(row_counts + ids, tl.zeros_like(ids).to(tl.int32), mask=valid)  # the counter, zeroed for the next call
+    first = valid & (old != 0)  # of a token's entries, the one that found its counter set
+    count = (old & (SEEN - 1)).to(tl.float32)  # its occurrences in the output
+    x = tl.load(row_logits + ids, mask=first, other=0.0)
+    x = tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition)  # seen: the repetition penalty
+    x = x - frequency * count
+    x = x - presence * (count > 0).to(tl.float32)
+    tl.store(row_logits + ids, x, mask=first)
+
+@triton.jit
+def _apply_penalties_kernel(prompt_ptr, output_ptr, counts_ptr, logits_ptr, presence_ptr, frequency_ptr, repetition_ptr,
+                            Lp, Lo, V, stride_p, stride_o, stride_c, stride_l, stride_pr, stride_fr, stride_re,
+                            BLOCK: tl.constexpr, SEEN: tl.constexpr):
+    b, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    row_counts, row_logits = counts_ptr + b.to(tl.int64) * stride_c, logits_ptr + b.to(tl.int64) * stride_l
+    presence, frequency = tl.load(presence_ptr + b * stride_pr), tl.load(frequency_ptr + b * stride_fr)
+    repetition = tl.load(repetition_ptr + b * stride_re)
+    _penalize_entries(prompt_ptr + b * stride_p, Lp, offs, V, row_counts, row_logits, presence, frequency, repetition, SEEN)
+    _penalize_entries(output_ptr + b * stride_o, Lo, offs, V, row_counts, row_logits, presence, frequency, repetition, SEEN)
+
+# %% ../chapters/09b_fused_ops.ipynb #pen9b003
+_PENALTY_COUNTS = {}  # (device, stream) -> int32 counters (rows, V), all zero between calls
+
+def _penalty_counts(B: int, V: int, device: torch.device) -> torch.Tensor:
+    "Zeroed counters for B rows of V tokens: the table of this device and stream, grown if it has fewer rows."
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    counts = _PENALTY_COUNTS.get(key)
+    if counts is None or counts.shape[1] != V or len(counts) < B:
+        rows = B if counts is None or counts.shape[1] != V else max(B, len(counts))
+        counts = _PENALTY_COUNTS[key] = torch.zeros(rows, V, dtype=torch.int32, device=device)
+    return counts
+
+def apply_penalties_fused(logits: torch.Tensor,  # (B, V) float32, penalised in place
+                          history: TokenHistory,  # (B, Lp) prompt and (B, Lo) output token ids, -1 padding
+                          presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # (B,) float32 each
+    """Chapter 6b's apply_penalties, bit for bit, in place: only the logits of the tokens each row has seen are read and
+    written (token ids outside the vocabulary are skipped)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be a (B, V) float32 tensor with contiguous rows; got {tuple(logits.shape)} {logits.dtype}")
+    B, V = logits.shape
+    ids = [h if h.dtype == torch.int64 else h.long() for h in history]
+    if any(h.dim() != 2 or len(h) != B for h in ids):
+        raise ValueError(f"history must hold (B, L) prompt and output ids for B={B} rows; got {[tuple(h.shape) for h in history]}")
+    ids = [h if h.stride(-1) == 1 else h.contiguous() for h in ids]
+    rows = [torch.as_tensor(t, device=logits.device).to(torch.float32) for t in (presence, frequency, repetition)]  # views may stay
+    if any(t.shape != (B,) for t in rows): raise ValueError(f"presence, frequency and repetition must be ({B},) each")
+    _check_device(logits, *ids, *rows)
+    L = max(ids[0].shape[1], ids[1].shape[1])
+    if B == 0 or L == 0: return logits
+    counts, grid = _penalty_counts(B, V, logits.device), (B, triton.cdiv(L, PENALTY_BLOCK))
+    (prompt, output), strides = ids, (ids[0].stride(0), ids[1].stride(0), V)
+    _count_seen_kernel[grid](prompt, output, counts, prompt.shape[1], output.shape[1], V, *strides,
+                             BLOCK=PENALTY_BLOCK, SEEN=SEEN_IN_PROMPT)
+    _apply_penalties_kernel[grid](prompt, output, counts, logits, *rows, prompt.shape[1], output.shape[1], V, *strides,
+                                  logits.stride(0), *(r.stride(0) for r in rows), BLOCK=PENALTY_BLOCK, SEEN=SEEN_IN_PROMPT,
+                                  enable_fp_fusion=False)
+    return logits
 
 # %% ../chapters/09b_fused_ops.ipynb #56cfc07a
 def _fused_norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor: return rms_norm(x, self.weight, self.eps)

@@ -358,7 +358,8 @@ def _launch(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, gener
     penalized = any(p.penalized for p in params)
     if penalized and self.histories is None: self.histories = TokenHistories(self.device)
     history = self.histories.gather(out.sampled_seqs) if penalized else None
-    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter, allowed)
+    sampled = sample(logits, params, None if generators is None else generators[:n], history, banned, self.search_filter, allowed,
+                     self.penalize)
     if penalized: self.histories.append(sampled.token_ids)  # on the device: the next step's gather sees it, in stream order
     host, prompt_host, copied = _copy_to_host(sampled, prompt)
     return LaunchedStep(out, sampled, host, copied, spans, prompt_host)
@@ -368,11 +369,17 @@ def _search_filter(self: ModelRunner):
     fused = fused_kernels(self.device, self.config)
     return fused.search_filter if fused else None
 
+def _penalize(self: ModelRunner):
+    "The sampler's penalties: chapter 9b's apply_penalties_fused, which reads and writes only the logits of tokens seen; or None."
+    fused = fused_kernels(self.device, self.config)
+    return fused.apply_penalties_fused if fused else None
+
 def _execute(self: ModelRunner, out: SchedulerOutput, blocks: BlockManager, generators=None) -> SamplerOutput:
     "Run one scheduled step and return its sampled tokens on the host."
     return self.launch(out, blocks, generators).result()
 
-ModelRunner.launch, ModelRunner.execute, ModelRunner.search_filter = _launch, _execute, property(_search_filter)
+ModelRunner.launch, ModelRunner.execute = _launch, _execute
+ModelRunner.search_filter, ModelRunner.penalize = property(_search_filter), property(_penalize)
 
 # %% ../chapters/11a_model_runner.ipynb #3a54f316
 @torch.inference_mode()
@@ -386,7 +393,8 @@ def _profile_peak_bytes(self: ModelRunner) -> int:
     hidden = self.model.model(ids, torch.arange(T, device=self.device) % self.max_model_len)  # (T, E)
     logits = self.model.lm_head(hidden[:B])
     history = TokenHistory.from_lists([[0]] * B, [[0]] * B, self.device)  # penalties add (B, V) counts to the sampler's work
-    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logit_bias={0: 1.0})] * B, history=history)
+    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logit_bias={0: 1.0})] * B, history=history,
+           penalize=self.penalize)  # the fused penalties' counters stay allocated: the peak holds them
     R = min(T, PROMPT_LOGPROBS_ROWS)  # prompt log probabilities: logits of R rows at a time, beside the step's hidden states
     self.token_logprobs(self.model.lm_head(hidden[:R]), ids[:R], MAX_LOGPROBS)
     torch.cuda.synchronize(self.device)

@@ -353,7 +353,8 @@ def allow_tokens(logits: torch.Tensor, allowed: list) -> torch.Tensor:
     return logits
 
 def decisive_logits(logits: torch.Tensor, params: list, history: TokenHistory | None = None,
-                    banned: list | None = None, allowed: list | None = None) -> tuple:
+                    banned: list | None = None, allowed: list | None = None,
+                    penalize=None) -> tuple:  # None (apply_penalties), or chapter 9b's apply_penalties_fused
     """(edited, t): the logits (B, V) that decide each row's token, with its logit_bias, banned tokens, allowed tokens
     (chapter 6c) and penalties applied (a float32 copy where any apply: the raw logits give the log probabilities), and
     the rows' SamplingTensors (None for a greedy batch without penalties)."""
@@ -368,11 +369,11 @@ def decisive_logits(logits: torch.Tensor, params: list, history: TokenHistory | 
     banning = banned is not None and any(banned)
     masking = allowed is not None and any(mask is not None for mask in allowed)
     edited = logits  # the raw logits, or a float32 copy with the bias, bans, masks and penalties
-    if biased or banning or masking: edited = logits.to(torch.float32, copy=True)
+    if biased or banning or masking or penalized: edited = logits.to(torch.float32, copy=True)
     if biased: apply_logit_bias(edited, params)
     if banning: ban_tokens(edited, banned)
     if masking: allow_tokens(edited, allowed)
-    if penalized: edited = apply_penalties(edited.float(), history, t.presence, t.frequency, t.repetition)
+    if penalized: edited = (penalize or apply_penalties)(edited, history, t.presence, t.frequency, t.repetition)
     return edited, t
 
 def sampling_probs(edited: torch.Tensor, t: SamplingTensors, params: list, search_filter=None) -> torch.Tensor:
@@ -395,11 +396,12 @@ def sampling_probs(edited: torch.Tensor, t: SamplingTensors, params: list, searc
 def sample(logits: torch.Tensor, params: list, generators=None, history: TokenHistory | None = None,
            banned: list | None = None,  # a tuple of token ids per row (stop_tokens), or None
            search_filter=None,  # None, or chapter 9b's search_filter, which does without a sort
-           allowed: list | None = None) -> SamplerOutput:  # per row, a bool (V,) mask of the tokens it may draw, or None
+           allowed: list | None = None,  # per row, a bool (V,) mask of the tokens it may draw, or None
+           penalize=None) -> SamplerOutput:  # None, or chapter 9b's apply_penalties_fused, which reads only the tokens seen
     "One token per row of `logits` (B, V), each row with its own SamplingParams and (optional) generator; `history` for penalties."
     if generators is not None and len(generators) != len(logits):
         raise ValueError(f"got {len(generators)} generators for {len(logits)} rows of logits: give one (or None) per row")
-    edited, t = decisive_logits(logits, params, history, banned, allowed)
+    edited, t = decisive_logits(logits, params, history, banned, allowed, penalize)
     token_ids = argmax_rows(edited)  # (B,) the greedy choice; exact in any dtype, so no float32 copy for greedy batches
     if not all(p.greedy for p in params):
         drawn = exponential_race(sampling_probs(edited, t, params, search_filter), generators)

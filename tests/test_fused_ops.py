@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from nanoserve import fused_ops
-from nanoserve.fused_ops import (add_rms_norm, fuse_small_ops, gemv, linear, logprob_rows, merge_biases, merge_linears, rms_norm, rope,
-                                 search_filter, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
+from nanoserve.fused_ops import (add_rms_norm, apply_penalties_fused, fuse_small_ops, gemv, linear, logprob_rows, merge_biases, merge_linears,
+                                 rms_norm, rope, search_filter, silu_and_mul, token_logprobs_fused, unfuse_small_ops)
 from nanoserve.loader import load_model
 from nanoserve.norm import RMSNorm
 from nanoserve.rope import apply_rope
-from nanoserve.sampling import SamplingParams, TokenHistory, filter_logits, make_generator, sample, token_logprobs
+from nanoserve.sampling import SamplingParams, TokenHistory, apply_penalties, filter_logits, make_generator, sample, token_logprobs
 from nanoserve.testing import tiny_model_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +232,74 @@ def test_sample_with_the_search_filter_draws_what_sorting_draws():
     assert torch.equal(with_bans(counted), with_bans(None)) and calls[-1] == torch.float32 and len(calls) == 4
     plain = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0) for p in unbiased]
     assert torch.equal(draw(counted, plain), draw(None, plain)) and len(calls) == 4
+
+
+def penalty_rows(B, V, Lp, Lo, seed):
+    "Logits with ties, zeros and -inf, histories full of repeats with ragged -1 padding, and per-row penalties of every sign."
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V, generator=g) * 4).round(decimals=1)
+    if V > 10: logits[:, :10] = float("-inf")  # banned tokens that a history holds too
+    prompt, output = torch.randint(0, min(V, 300), (B, Lp), generator=g), torch.randint(0, min(V, 300), (B, Lo), generator=g)
+    for h in (prompt, output):
+        for b in range(B): h[b, torch.randint(0, h.shape[1] + 1, (1,), generator=g).item():] = -1
+    presence, frequency = torch.rand(B, generator=g) * 4 - 2, torch.rand(B, generator=g) * 4 - 2
+    repetition = torch.rand(B, generator=g) * 2 + 0.1
+    if B: presence[0], frequency[0], repetition[0] = 0.0, 0.0, 1.0  # a row without penalties in a penalised batch
+    return logits, TokenHistory(prompt, output), presence, frequency, repetition
+
+
+def fused_counts_are_zero(device) -> bool:
+    return all(not c.any() for c in fused_ops._PENALTY_COUNTS.values())
+
+
+@pytest.mark.parametrize("B, V, Lp, Lo, seed", [(6, 3000, 50, 80, 0), (3, 300, 2000, 1500, 1), (1, 128, 0, 5, 2), (4, 50, 7, 0, 3),
+                                                (0, 100, 3, 3, 4), (9, 2048, 1025, 3, 5)])
+def test_fused_penalties_equal_apply_penalties_bit_for_bit(B, V, Lp, Lo, seed):
+    logits, history, *rows = penalty_rows(B, V, Lp, Lo, seed)
+    want = apply_penalties(logits.clone(), history, *rows)
+    got = apply_penalties_fused(logits.clone().to(DEVICE), TokenHistory(*(h.to(DEVICE) for h in history)), *(r.to(DEVICE) for r in rows))
+    assert torch.equal(got.cpu(), want) and fused_counts_are_zero(DEVICE)  # every counter given back
+    if B > 1: assert (got.cpu() != logits).any()  # row 0 has no penalties
+
+
+def test_fused_penalties_reuse_their_counters_and_skip_ids_outside_the_vocabulary():
+    logits, history, *rows = penalty_rows(5, 400, 30, 30, 7)
+    dev = lambda *ts: [t.to(DEVICE) for t in ts]
+    for B in (2, 5, 3):  # the table grows, then serves a smaller batch
+        h = TokenHistory(*dev(history.prompt[:B], history.output[:B]))
+        got = apply_penalties_fused(logits[:B].clone().to(DEVICE), h, *dev(*(r[:B] for r in rows)))
+        assert torch.equal(got.cpu(), apply_penalties(logits[:B].clone(), TokenHistory(history.prompt[:B], history.output[:B]), *(r[:B] for r in rows)))
+    wide = TokenHistory(*dev(torch.tensor([[5, 400, 10**6]]), torch.tensor([[399, 401, -1]])))
+    got = apply_penalties_fused(logits[:1].clone().to(DEVICE), wide, *dev(*(r[1:2] for r in rows))).cpu()
+    inside = TokenHistory(torch.tensor([[5, -1, -1]]), torch.tensor([[399, -1, -1]]))
+    assert torch.equal(got, apply_penalties(logits[:1].clone(), inside, *(r[1:2] for r in rows))) and fused_counts_are_zero(DEVICE)
+    strided = TokenHistory(*dev(history.prompt[:, ::2], history.output[:, ::3]))  # columns of a wider table
+    got = apply_penalties_fused(logits.clone().to(DEVICE), strided, *dev(*rows))
+    assert torch.equal(got.cpu(), apply_penalties(logits.clone(), TokenHistory(history.prompt[:, ::2], history.output[:, ::3]), *rows))
+
+
+def test_fused_penalties_refuse_bad_arguments():
+    logits, history, *rows = penalty_rows(3, 100, 4, 4, 8)
+    logits, history, rows = logits.to(DEVICE), TokenHistory(*(h.to(DEVICE) for h in history)), [r.to(DEVICE) for r in rows]
+    with pytest.raises(ValueError, match="float32"): apply_penalties_fused(logits.half(), history, *rows)
+    with pytest.raises(ValueError, match="contiguous rows"): apply_penalties_fused(logits.T.contiguous().T, history, *rows)
+    with pytest.raises(ValueError, match="B=2"): apply_penalties_fused(logits[:2], history, *(r[:2] for r in rows))
+    with pytest.raises(ValueError, match=r"\(3,\) each"): apply_penalties_fused(logits, history, rows[0][:2], *rows[1:])
+    packed = torch.stack(rows, 1)  # (3, 3): each parameter a strided column, as SamplingTensors holds them
+    assert torch.equal(apply_penalties_fused(logits.clone(), history, *packed.unbind(1)), apply_penalties_fused(logits.clone(), history, *rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if DEVICE == "cpu" else torch.bfloat16])
+def test_sample_with_fused_penalties_draws_what_apply_penalties_draws(dtype):
+    "Same tokens and the same log probabilities: the fused kernels edit a copy, never the raw logits that logprobs read."
+    logits, history, presence, frequency, repetition = penalty_rows(8, 3000, 40, 60, 9)
+    logits, history = logits.to(dtype).to(DEVICE), TokenHistory(*(h.to(DEVICE) for h in history))
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.9, top_p=0.9, seed=i, presence_penalty=float(presence[i]),
+                             frequency_penalty=float(frequency[i]), repetition_penalty=float(repetition[i]), logprobs=3) for i in range(8)]
+    draw = lambda penalize: sample(logits, params, [make_generator(p.seed, DEVICE) for p in params], history, penalize=penalize)
+    dense, fused = draw(None), draw(apply_penalties_fused)
+    assert torch.equal(dense.token_ids, fused.token_ids) and torch.equal(dense.logprobs, fused.logprobs)
+    assert torch.equal(dense.top_token_ids, fused.top_token_ids)
 
 
 @pytest.mark.gpu
