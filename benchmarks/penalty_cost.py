@@ -16,7 +16,7 @@ from engine_rates import engine_rates as shared_engine_rates  # benchmarks/, thi
 from nanoserve.benchmark import _median_seconds
 from nanoserve.fused_ops import apply_penalties_fused
 from nanoserve.model_runner import ModelRunner, TokenHistories
-from nanoserve.sampling import SamplingParams, TokenHistory, sample
+from nanoserve.sampling import SamplingParams, TokenHistory, apply_penalties, sample
 from nanoserve.scheduler import Sequence
 
 VOCAB = 128256  # Llama 3's
@@ -64,12 +64,36 @@ def dense_penalties():
     finally: ModelRunner.penalize = fused
 
 
+def penalties_alone(B: int, device) -> dict:
+    """apply_penalties against apply_penalties_fused alone, on float32 logits: microseconds of host time per call
+    (launches queued, no wait) and of the stream's time per call (200 calls between two CUDA events)."""
+    g = torch.Generator().manual_seed(B)
+    logits = torch.randn(B, VOCAB, device=device)
+    history = TokenHistory(torch.randint(0, VOCAB, (B, PROMPT), generator=g).to(device), torch.randint(0, VOCAB, (B, OUTPUT), generator=g).to(device))
+    rows = [torch.full((B,), v, device=device) for v in (0.5, 0.5, 1.1)]
+    res = {"batch": B}
+    for name, fn in (("dense", apply_penalties), ("fused", apply_penalties_fused)):
+        for _ in range(5): fn(logits, history, *rows)  # compiled, and the fused kernels' table allocated
+        torch.cuda.synchronize(device)
+        start, calls = time.perf_counter(), 200
+        for _ in range(calls): fn(logits, history, *rows)
+        res[f"{name}_host_us"] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize(device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(calls): fn(logits, history, *rows)
+        end.record()
+        torch.cuda.synchronize(device)
+        res[f"{name}_stream_us"] = begin.elapsed_time(end) / calls * 1e3
+    return res
+
+
 def engine_rates(model: str) -> dict:
     """Output tokens per second of LLM.generate on random-weight requests, sampled plainly and with the three penalties,
     fused (the engine's default on a GPU) and dense, alternated."""
     base = dict(temperature=0.8, top_p=0.95)
     penalties = base | dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-    return shared_engine_rates(model, {"plain": base, "penalties": penalties, "penalties_dense": penalties, "plain_again": base,
+    return shared_engine_rates(model, {"warmup": base, "plain": base, "penalties": penalties, "penalties_dense": penalties, "plain_again": base,
                                        "penalties_again": penalties, "penalties_dense_again": penalties},
                                contexts={"penalties_dense": dense_penalties, "penalties_dense_again": dense_penalties})
 
@@ -85,7 +109,8 @@ def main(argv=None):
            "code_commit": os.environ.get("GIT_COMMIT", "unknown"),  # the device machine's copy of the tree has no history
            "settings": {"vocab": VOCAB, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "dtype": "bfloat16",
                         "timer": "median of CUDA events around each sampler call (the stream's time, launch gaps included); perf_counter for the host's lists"},
-           "rows": [row(B, device) for B in (1, 64, 256)]}
+           "rows": [row(B, device) for B in (1, 64, 256)],
+           "penalties_alone": [penalties_alone(B, device) for B in (1, 64, 256)]}
     if args.engine: res["engine"] = engine_rates(args.engine)
     text = json.dumps(res, indent=1)
     print(text)
