@@ -269,7 +269,11 @@ def _constraint(self: LLMEngine, params: SamplingParams) -> ConstraintState | No
     "A new request's structured-output state (chapter 6c); requests with the same spec share one compiled automaton."
     if params.structured_outputs is None: return None
     eos = tuple(sorted(self.eos_token_ids | set(self.extra_eos_token_ids)))  # any token that ends the text ends a match
-    return ConstraintState(compile_structured(params.structured_outputs, self.tokenizer, eos, self.model.config.vocab_size))
+    state = ConstraintState(compile_structured(params.structured_outputs, self.tokenizer, eos, self.model.config.vocab_size))
+    if not state.allowed_bits().any():  # refused with the request (a 400), not failed in its first step; the mask is kept for it
+        raise ValueError("structured_outputs: no token of this model's vocabulary begins a text that matches it (the pattern "
+                         "needs a byte that no token holds)")
+    return state
 
 LLMEngine._prompt_token_ids, LLMEngine.add_request, LLMEngine._constraint = _prompt_token_ids, _add_request, _constraint
 

@@ -278,9 +278,11 @@ class ChatMessage(OpenAIModel):
 
     def as_dict(self) -> dict:
         """The message as a chat template wants it: a role, one string ('developer' is OpenAI's new name for 'system'),
-        and its tool calls or the call it answers (chapter 6d's template_message)."""
+        its participant's `name` if given (for templates that print it, as vLLM passes it), and its tool calls or the
+        call it answers (chapter 6d's template_message)."""
         text = content_text(self.model_dump()["content"]) or ""  # text parts joined with newlines, as LLM.chat and vLLM join them
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None: message["name"] = self.name
         if self.tool_calls: message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None: message["tool_call_id"] = self.tool_call_id
         return template_message(message)

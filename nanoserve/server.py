@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['log', 'ERROR_TYPES', 'UNION_TAG', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'ENGINE_CHECKED', 'TEXT_MARGIN',
            'SERVER_GC_THRESHOLD', 'error_response', 'validation_error', 'BodyLimit', 'RequireApiKey', 'one_two_five',
-           'ServerMetrics', 'sse', 'failed_events', 'tagged', 'completion_events', 'chat_events', 'EventStream',
-           'unless_client_leaves', 'final_outputs', 'check_unicode', 'ModelNotFound', 'OpenAIServer', 'add_routes',
-           'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer', 'check_port', 'make_server',
-           'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread', 'background_server']
+           'ServerMetrics', 'sse', 'failed_events', 'tagged', 'completion_events', 'chat_events', 'guarded',
+           'EventStream', 'unless_client_leaves', 'final_outputs', 'check_unicode', 'ModelNotFound', 'OpenAIServer',
+           'add_routes', 'add_error_handlers', 'check_api_key', 'build_app', 'DrainingServer', 'check_port',
+           'make_server', 'socket_url', 'bound_url', 'listen', 'serve', 'run_in_thread', 'background_server']
 
 # %% ../chapters/12c_server.ipynb #6fbb6473
 import asyncio, contextlib, functools, hmac, json, logging, re, signal, socket, threading, time
@@ -267,12 +267,22 @@ async def chat_events(outputs: list, rid: str, model: str, tokenizer, include_us
     if include_usage and all(o is not None for o in last): yield sse(chunk(rid, model, created, True, [], usage(last, k)))
     yield sse("[DONE]")
 
+async def guarded(events):
+    """The events of a stream; an error that escapes them, a bug, is logged and ends the stream with an error event and
+    [DONE], as a failed request's does, not with a connection cut in the middle of the body."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events: yield event
+        except Exception as e:
+            log.exception("unexpected error in a stream", exc_info=e)
+            yield failed_events(RequestFailed(f"Internal server error ({type(e).__name__}); this is a bug in nanoserve."))
+
 class EventStream(StreamingResponse):
     "A text/event-stream response that, however it ends, closes its event generator and calls `on_close` (the abort)."
     media_type = "text/event-stream"
 
     def __init__(self, events, on_close):
-        super().__init__(events)
+        super().__init__(guarded(events))
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):

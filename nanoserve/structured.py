@@ -7,8 +7,8 @@ __all__ = ['MAX_CODEPOINT', 'ANY', 'DIGIT', 'WORD', 'SPACE', 'CLASS_ESCAPES', 'C
            'MAX_PATTERN_CHARS', 'MAX_NESTING', 'UTF8_LIMITS', 'MAX_NFA_STATES', 'DEAD', 'MAX_DFA_STATES', 'FINAL',
            'MASK_CACHE_SIZE', 'REGEX_SPECIAL', 'SEPARATORS', 'JSON_RAW', 'STRING_CHAR', 'JSON_STRING', 'JSON_INTEGER',
            'JSON_NUMBER', 'JSON_SCALARS', 'ANY_DEPTH', 'JSON_OBJECT_DEPTH', 'ANNOTATIONS', 'TYPE_KEYWORDS', 'KEYWORDS',
-           'STRING_FORMATS', 'INTEGER_LIMIT', 'MAX_ONE_OF', 'MAX_PRODUCT_STATES', 'normalize', 'complement',
-           'intersect', 'RegexParser', 'parse_regex', 'utf8_sequences', 'NFA', 'DFA', 'TokenConstraint',
+           'STRING_FORMATS', 'INTEGER_LIMIT', 'MAX_ONE_OF', 'MAX_PRODUCT_STATES', 'JSON_ERRORS', 'normalize',
+           'complement', 'intersect', 'RegexParser', 'parse_regex', 'utf8_sequences', 'NFA', 'DFA', 'TokenConstraint',
            'vocabulary_matrix', 'vocabulary_bytes', 'escape_char', 'regex_escape', 'to_regex', 'restrict', 'json_array',
            'json_value', 'json_object', 'json_literal', 'has_type', 'json_schema_regex', 'SchemaCompiler',
            'digits_range', 'integer_range', 'overlap', 'StructuredOutputs', 'check_choice', 'canonical_schema',
@@ -855,14 +855,16 @@ def check_choice(choice) -> tuple:
         raise ValueError(f"choice[{bad[0]}]={reprlib.repr(choice[bad[0]])}: expected a string")
     return tuple(choice)
 
+JSON_ERRORS = (ValueError, RecursionError)  # json's errors on bad input: malformed, or nested deeper than Python's recursion limit
+
 def canonical_schema(schema) -> str:
     "A JSON schema (a dict, or its JSON text) as compact JSON text, its keys in their order (properties are generated in it)."
     if isinstance(schema, str):
         try: schema = json.loads(schema)
-        except ValueError as e: raise ValueError(f"json={reprlib.repr(schema)}: not valid JSON ({e})") from None
+        except JSON_ERRORS as e: raise ValueError(f"json={reprlib.repr(schema)}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(schema, dict): raise ValueError(f"json={reprlib.repr(schema)}: expected a JSON schema, a dict or its JSON text")
     try: return json.dumps(schema, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e: raise ValueError(f"json={reprlib.repr(schema)}: not JSON ({e})") from None
+    except (TypeError, *JSON_ERRORS) as e: raise ValueError(f"json={reprlib.repr(schema)}: not JSON ({type(e).__name__}: {e})") from None
 
 @lru_cache(maxsize=256)
 def checked(pattern: str) -> str:

@@ -14,7 +14,7 @@ __all__ = ['TOOL_NAME', 'HERMES_OPEN', 'HERMES_CLOSE', 'TOOL_CALL_PARSERS', 'PYT
 # %% ../chapters/06d_tool_calls.ipynb #tc000004
 import ast, json, math, re, reprlib, uuid
 
-from .structured import StructuredOutputs
+from .structured import JSON_ERRORS, StructuredOutputs
 
 # %% ../chapters/06d_tool_calls.ipynb #tc000007
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -99,7 +99,7 @@ def parse_tool_calls(text: str, tools: list, tool_choice) -> list | None:
     arguments, or each call of the 'required' array; None where the output was cut short (max_tokens) and is not JSON."""
     function = chosen_tool(tools, tool_choice)
     try: value = json.loads(text)
-    except ValueError: return None
+    except JSON_ERRORS: return None
     if function is not None: return [tool_call(function["name"], text)]
     return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
@@ -158,7 +158,7 @@ def template_message(message: dict) -> dict:
                              "{'name': ..., 'arguments': ...}}")
         arguments = call["function"]["arguments"]
         try: arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError: pass  # not JSON: the template gets the text
+        except JSON_ERRORS: pass  # not JSON (or nested too deep to read): the template gets the text
         calls.append({**call, "function": {**call["function"], "arguments": arguments}})
     return {**message, "content": message.get("content") or "", "tool_calls": calls}
 
@@ -172,14 +172,15 @@ def json_call(call, index: int | None = None) -> dict | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
         try: arguments = json.loads(arguments)
-        except ValueError: return None
+        except JSON_ERRORS: return None
     if not isinstance(arguments, dict): return None
-    return tool_call(call["name"], json.dumps(arguments, ensure_ascii=False), index)
+    try: return tool_call(call["name"], json.dumps(arguments, ensure_ascii=False), index)
+    except JSON_ERRORS: return None  # nested too deep to write back
 
 def hermes_call(block: str, index: int | None = None) -> dict | None:
     "The call written in one <tool_call> block, {\"name\": ..., \"arguments\": {...}}, as a tool_calls entry; None if it is not one."
     try: return json_call(json.loads(block), index)
-    except ValueError: return None
+    except JSON_ERRORS: return None
 
 def parse_hermes(text: str) -> tuple:
     """(content, calls) of a finished output in the Hermes format (Qwen2.5, Qwen3, Hermes 2 Pro and 3): the calls of its
@@ -245,7 +246,7 @@ def parse_llama3_json(text: str) -> tuple:
     at = 0
     while at < len(body):
         try: call, at = decoder.raw_decode(body, at)
-        except ValueError: return text, None
+        except JSON_ERRORS: return text, None
         if (call := json_call(call)) is None: return text, None
         calls.append(call)
         at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())  # past "; " to the next call
@@ -334,14 +335,14 @@ def mistral_calls(body: str) -> list | None:
     body = body.strip()
     if body.startswith("["):
         try: value = json.loads(body)
-        except ValueError: return None
+        except JSON_ERRORS: return None
         calls = [json_call(c) for c in value] if isinstance(value, list) and value else [None]
     else:
         calls = []
         for piece in body.split(MISTRAL_CALLS):
             name, found, arguments = piece.partition(MISTRAL_ARGS)
             try: arguments = json.loads(arguments) if found else None
-            except ValueError: arguments = None
+            except JSON_ERRORS: arguments = None
             calls.append(json_call({"name": name.strip(), "arguments": arguments}) if isinstance(arguments, dict) else None)
     return None if None in calls else calls
 

@@ -1332,3 +1332,52 @@ def test_requests_start_from_the_models_generation_config_and_override_it(tiny_c
     from nanoserve.protocol import CompletionRequest, sampling_params
     params = sampling_params(CompletionRequest(prompt="x", temperature=0.5), 9, 0, {"temperature": 0.0, "top_k": 7, "max_tokens": 3})
     assert (params.temperature, params.top_k, params.max_tokens) == (0.5, 7, 9)
+
+
+# --- findings of a fuzzing review (2026-11-29) -------------------------------------------------------------------------
+
+def test_json_nested_deeper_than_python_reads_is_a_400_or_text(url):
+    "JSON text nested past Python's recursion limit: a RecursionError, which was a 500; now a 400 naming it, or plain text."
+    deep = "[" * 5000 + "]" * 5000
+    for body, param in (({"guided_json": deep}, "guided_json"), ({"structured_outputs": {"json": deep}}, "structured_outputs")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and "RecursionError" in r.json()["error"]["message"], r.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}  # a template gets such arguments as text
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2}), ("/tokenize", {"messages": messages})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_pattern_that_needs_a_byte_no_token_holds_is_a_400(url):
+    "SmolLM2's vocabulary has no token for byte 0x04: such a pattern was a 500 from the engine's first step; now the engine refuses it."
+    for body in ({"guided_regex": "\u0004{3}"}, {"guided_choice": ["\u0004"]}):
+        for stream in (False, True):
+            r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": stream, **body}, timeout=60)
+            assert r.status_code == 400 and "no token of this model's vocabulary" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4, "guided_regex": "a|\u0004"}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a"  # a pattern with another way is served
+
+
+def test_a_messages_name_reaches_the_chat_template(tiny_chat_model):
+    "vLLM passes a message's `name` to the template; it was dropped. A server's --chat-template that prints it shows it."
+    template = "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n{% endfor %}"
+    server = make_server(str(tiny_chat_model), port=0, max_model_len=128, num_kv_blocks=16, device="cpu", log_level="warning",
+                         chat_template=template)
+    messages = [{"role": "user", "content": "hi", "name": "Alice"}, {"role": "user", "content": "yo"}]
+    with run_in_thread(server) as url:
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=60)
+        assert r.status_code == 200, r.text
+        text = httpx.post(f"{url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=60).json()["prompt"]
+    assert text == "user (Alice): hi\nuser: yo\n"
+
+
+def test_a_bug_in_a_stream_ends_it_with_an_error_event_and_done():
+    "An exception escaping a stream's events (a RecursionError in a parser was one) no longer cuts the connection."
+    from nanoserve.server import guarded
+    async def events():
+        yield "data: first\n\n"
+        raise RecursionError("deep")
+    async def collect(): return [e async for e in guarded(events())]
+    first, error = asyncio.run(collect())
+    assert first == "data: first\n\n" and "\"type\":\"server_error\"" in error and "RecursionError" in error and error.endswith("data: [DONE]\n\n")

@@ -370,6 +370,11 @@ def test_a_call_needs_a_valid_name_and_arguments_that_are_an_object():
         assert parse_hermes(text) == (text, None), block
     assert parse_llama3_json('{"name": "f", "parameters": [1]}')[1] is None
     assert named_calls(parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1]) == [("f", '{"a": 1}')]
+    deep = "[" * 5000 + "]" * 5000  # past Python's recursion limit: text, not a RecursionError (a review found the 500)
+    for parse, text in ((parse_hermes, f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>'), (parse_llama3_json, f'{{"name": "f", "parameters": {deep}}}'),
+                        (parse_mistral, f"[TOOL_CALLS]{deep}"), (parse_mistral, f"[TOOL_CALLS]f[ARGS]{deep}"), (parse_pythonic, f"[f(a={deep})]")):
+        assert parse(text) == (text, None)
+    assert template_message({"role": "assistant", "tool_calls": [tool_call("f", deep)]})["tool_calls"][0]["function"]["arguments"] == deep
 
 
 # --- 'auto': the pythonic format (Llama 3.2, Llama 4) and Mistral's ------------------------------------------------------
