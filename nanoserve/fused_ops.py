@@ -515,8 +515,9 @@ def _penalty_counts(B: int, V: int, device: torch.device) -> torch.Tensor:
 def apply_penalties_fused(logits: torch.Tensor,  # (B, V) float32, penalised in place
                           history: TokenHistory,  # (B, Lp) prompt and (B, Lo) output token ids, -1 padding
                           presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # (B,) float32 each
-    """Chapter 6b's apply_penalties, bit for bit, in place: only the logits of the tokens each row has seen are read and
-    written (token ids outside the vocabulary are skipped)."""
+    """Chapter 6b's apply_penalties, bit for bit (but a -0.0 it leaves where that one makes +0.0), in place: only the
+    logits of the tokens each row has seen are read and written (token ids outside the vocabulary are skipped). The
+    counters are shared by the calls on one device and stream: threads that call it at once need streams of their own."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be a (B, V) float32 tensor with contiguous rows; got {tuple(logits.shape)} {logits.dtype}")
     B, V = logits.shape

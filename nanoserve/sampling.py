@@ -369,11 +369,12 @@ def decisive_logits(logits: torch.Tensor, params: list, history: TokenHistory | 
     banning = banned is not None and any(banned)
     masking = allowed is not None and any(mask is not None for mask in allowed)
     edited = logits  # the raw logits, or a float32 copy with the bias, bans, masks and penalties
-    if biased or banning or masking or penalized: edited = logits.to(torch.float32, copy=True)
+    in_place = penalized and penalize is not None  # the fused penalties edit their input: a copy, never the raw logits
+    if biased or banning or masking or in_place: edited = logits.to(torch.float32, copy=True)
     if biased: apply_logit_bias(edited, params)
     if banning: ban_tokens(edited, banned)
     if masking: allow_tokens(edited, allowed)
-    if penalized: edited = (penalize or apply_penalties)(edited, history, t.presence, t.frequency, t.repetition)
+    if penalized: edited = (penalize or apply_penalties)(edited.float(), history, t.presence, t.frequency, t.repetition)
     return edited, t
 
 def sampling_probs(edited: torch.Tensor, t: SamplingTensors, params: list, search_filter=None) -> torch.Tensor:

@@ -7,12 +7,12 @@ __all__ = ['TOOL_NAME', 'HERMES_OPEN', 'HERMES_CLOSE', 'TOOL_CALL_PARSERS', 'PYT
            'JSON_NAMES', 'MISTRAL_CALLS', 'MISTRAL_ARGS', 'KEEPS_SPECIAL_TOKENS', 'check_tools', 'chosen_tool',
            'arguments_schema', 'arguments_constraint', 'forces_call', 'tool_choice_constraint', 'new_call_id',
            'tool_call', 'parse_tool_calls', 'call_finish_reason', 'tool_message', 'ToolCallStream', 'template_message',
-           'json_call', 'hermes_call', 'parse_hermes', 'held_back', 'HermesStream', 'tool_call_parser',
-           'parse_llama3_json', 'LeadingCallsStream', 'Llama3JsonStream', 'python_literal', 'parse_pythonic',
-           'PythonicStream', 'mistral_calls', 'parse_mistral', 'MistralStream']
+           'arguments_text', 'json_call', 'hermes_call', 'parse_hermes', 'held_back', 'HermesStream',
+           'tool_call_parser', 'parse_llama3_json', 'LeadingCallsStream', 'Llama3JsonStream', 'python_literal',
+           'parse_pythonic', 'PythonicStream', 'mistral_call_id', 'mistral_calls', 'parse_mistral', 'MistralStream']
 
 # %% ../chapters/06d_tool_calls.ipynb #tc000004
-import ast, json, math, re, reprlib, uuid
+import ast, json, math, re, reprlib, uuid, warnings
 
 from .structured import JSON_ERRORS, StructuredOutputs
 
@@ -89,9 +89,9 @@ def tool_choice_constraint(tools: list | None, tool_choice, parallel_tool_calls:
 # %% ../chapters/06d_tool_calls.ipynb #tc000017
 def new_call_id() -> str: return f"call_{uuid.uuid4().hex[:24]}"
 
-def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
-    "One entry of a message's `tool_calls` (OpenAI's format; `index` too in a stream's delta)."
-    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_call(name: str, arguments: str, index: int | None = None, call_id: str | None = None) -> dict:
+    "One entry of a message's `tool_calls` (OpenAI's format; `index` too in a stream's delta), with a new id unless given."
+    call = {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
 
 def parse_tool_calls(text: str, tools: list, tool_choice) -> list | None:
@@ -165,7 +165,14 @@ def template_message(message: dict) -> dict:
 # %% ../chapters/06d_tool_calls.ipynb #tc000033
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
-def json_call(call, index: int | None = None) -> dict | None:
+def arguments_text(arguments: dict) -> str:
+    """A call's arguments as the JSON text a client receives. ValueError where they are no JSON object a client could
+    read: NaN or infinite numbers (which Python's json reads), lone UTF-16 surrogates (which no UTF-8 response holds)."""
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    text.encode("utf-8")  # a UnicodeEncodeError, a ValueError, for a lone surrogate
+    return text
+
+def json_call(call, index: int | None = None, call_id: str | None = None) -> dict | None:
     """A call written as a JSON object, {"name": ..., "arguments": {...}} ("parameters" in Llama 3's format), as a
     tool_calls entry; None if it is not one: no valid name, or arguments that are not an object (nor the JSON text of one)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not TOOL_NAME.fullmatch(call["name"]): return None
@@ -174,8 +181,8 @@ def json_call(call, index: int | None = None) -> dict | None:
         try: arguments = json.loads(arguments)
         except JSON_ERRORS: return None
     if not isinstance(arguments, dict): return None
-    try: return tool_call(call["name"], json.dumps(arguments, ensure_ascii=False), index)
-    except JSON_ERRORS: return None  # nested too deep to write back
+    try: return tool_call(call["name"], arguments_text(arguments), index, call_id)
+    except JSON_ERRORS: return None  # nested too deep to write back, or not JSON a client could read
 
 def hermes_call(block: str, index: int | None = None) -> dict | None:
     "The call written in one <tool_call> block, {\"name\": ..., \"arguments\": {...}}, as a tool_calls entry; None if it is not one."
@@ -290,6 +297,8 @@ def python_literal(node: ast.expr):
     names for them), a list or tuple, a dict with string keys, of such literals. ValueError for anything else."""
     if isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (bool, int, float, str)):
         if isinstance(node.value, float) and not math.isfinite(node.value): raise ValueError(f"{node.value} is not a JSON number")
+        if isinstance(node.value, str):  # "\ud83d\ude00", JSON's way to write an emoji, is two halves to Python: joined here
+            return node.value.encode("utf-16", "surrogatepass").decode("utf-16")  # a lone half: a UnicodeDecodeError
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(node.operand, ast.Constant) \
             and type(node.operand.value) in (int, float):  # -1 is an operator and its operand
@@ -307,7 +316,9 @@ def parse_pythonic(text: str) -> tuple:
     body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
     if not body.startswith("["): return text, None
     try:
-        tree, calls = ast.parse(body, mode="eval").body, []  # a syntax tree: nothing in it runs
+        with warnings.catch_warnings():  # an escape Python does not know ("\d") warns, and stays text
+            warnings.simplefilter("ignore")
+            tree, calls = ast.parse(body, mode="eval").body, []  # a syntax tree: nothing in it runs
         if not isinstance(tree, ast.List) or not tree.elts: return text, None
         for node in tree.elts:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
@@ -315,7 +326,7 @@ def parse_pythonic(text: str) -> tuple:
                     and len(set(names)) == len(names)):
                 return text, None  # not a call by name with keyword arguments only, each once
             arguments = {k.arg: python_literal(k.value) for k in node.keywords}
-            calls.append(tool_call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(tool_call(node.func.id, arguments_text(arguments)))
     except (SyntaxError, ValueError, RecursionError, MemoryError): return text, None  # not Python, or no literal
     return None, calls
 
@@ -329,6 +340,8 @@ TOOL_CALL_PARSERS["pythonic"] = (parse_pythonic, PythonicStream)
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 KEEPS_SPECIAL_TOKENS = {"mistral"}  # parsers whose tags are special tokens: their requests must not skip special tokens
 
+def mistral_call_id() -> str: return uuid.uuid4().hex[:9]  # Mistral's templates refuse a call id that is not 9 letters or digits
+
 def mistral_calls(body: str) -> list | None:
     """The calls written after [TOOL_CALLS]: a JSON array of {"name": ..., "arguments": {...}} (Mistral 7B v0.3), or
     name[ARGS]{...} (tokenizers from v11 on, each further call after a [TOOL_CALLS] of its own); None if they do not parse."""
@@ -336,14 +349,15 @@ def mistral_calls(body: str) -> list | None:
     if body.startswith("["):
         try: value = json.loads(body)
         except JSON_ERRORS: return None
-        calls = [json_call(c) for c in value] if isinstance(value, list) and value else [None]
+        calls = [json_call(c, call_id=mistral_call_id()) for c in value] if isinstance(value, list) and value else [None]
     else:
         calls = []
         for piece in body.split(MISTRAL_CALLS):
             name, found, arguments = piece.partition(MISTRAL_ARGS)
             try: arguments = json.loads(arguments) if found else None
             except JSON_ERRORS: arguments = None
-            calls.append(json_call({"name": name.strip(), "arguments": arguments}) if isinstance(arguments, dict) else None)
+            calls.append(json_call({"name": name.strip(), "arguments": arguments}, call_id=mistral_call_id())
+                         if isinstance(arguments, dict) else None)
     return None if None in calls else calls
 
 def parse_mistral(text: str) -> tuple:

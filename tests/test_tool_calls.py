@@ -377,6 +377,18 @@ def test_a_call_needs_a_valid_name_and_arguments_that_are_an_object():
     assert template_message({"role": "assistant", "tool_calls": [tool_call("f", deep)]})["tool_calls"][0]["function"]["arguments"] == deep
 
 
+def test_arguments_a_client_could_not_read_make_text():
+    "NaN and infinities (which Python's json reads) and lone surrogates (which UTF-8 cannot hold) are no call: text."
+    for parse, text in ((parse_mistral, '[TOOL_CALLS]f[ARGS]{"a": NaN}'), (parse_hermes, '<tool_call>{"name": "f", "arguments": {"a": -Infinity}}</tool_call>'),
+                        (parse_llama3_json, '{"name": "f", "parameters": {"a": 1e999}}'), (parse_hermes, '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),
+                        (parse_pythonic, '[f(city="\\ud83d")]')):
+        assert parse(text) == (text, None), text
+    emoji = parse_pythonic('[f(city="\\ud83d\\ude00 \\d")]')[1][0]["function"]["arguments"]  # JSON's escapes of an emoji, joined
+    assert json.loads(emoji) == {"city": "\U0001F600 \\d"}
+    _, calls = parse_mistral('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]')
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]  # Mistral's templates ask for 9
+
+
 # --- 'auto': the pythonic format (Llama 3.2, Llama 4) and Mistral's ------------------------------------------------------
 
 PYTHONIC_TEXTS = ['[get_weather(city="Paris", unit="celsius"), get_time(timezone="CET")]',
