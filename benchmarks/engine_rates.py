@@ -6,11 +6,11 @@ from nanoserve.sampling import SamplingParams
 
 
 def engine_rates(model: str, settings: dict, num_requests: int = 256, prompt_len: int = 512, output_len: int = 256,
-                 contexts: dict | None = None) -> dict:
-    """LLM.generate on `model` (a config, random weights) with each of settings {name: SamplingParams fields}, in order;
-    a setting named in `contexts` ({name: a function that returns a context manager}) runs inside its context."""
+                 contexts: dict | None = None, **engine_options) -> dict:
+    """LLM.generate on `model` (a config, random weights, `engine_options`) with each of settings {name: SamplingParams
+    fields}, in order; a setting named in `contexts` ({name: a function that returns a context manager}) runs inside it."""
     from nanoserve import LLM
-    llm = LLM(model, load_format="dummy")
+    llm = LLM(model, load_format="dummy", **engine_options)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(num_requests)]
     rates = {}
@@ -21,4 +21,4 @@ def engine_rates(model: str, settings: dict, num_requests: int = 256, prompt_len
             outs = llm.generate(prompts, SamplingParams(**fields, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
             rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
     return {"model": model, "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
-            "output_tokens_per_s": rates}
+            "num_kv_blocks": llm.llm_engine.runner.num_blocks, "output_tokens_per_s": rates}

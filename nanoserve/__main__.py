@@ -16,7 +16,7 @@ from . import __version__
 from .benchmark import latency_benchmark, throughput_benchmark
 from .engine import model_sampling_defaults
 from .generate import generate
-from .model_runner import EngineConfig
+from .model_runner import KV_CACHE_DTYPES, EngineConfig
 from .loader import DEFAULT_MODEL, checkpoint_files, load_model, resolve_model
 from .model import ModelConfig
 from .sampling import SamplingParams
@@ -153,6 +153,8 @@ def add_engine_args(p):
                         "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="'int8': the linear layers' weights as int8 rows with a scale each, half the bytes per decode step")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="'fp8' (or 'fp8_e4m3'): keys and values in 8 bits, twice the tokens in the same memory (default: the model's dtype)")
     add_generation_config_args(p)
     p.add_argument("--seed", type=int, default=0)
 

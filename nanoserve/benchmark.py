@@ -63,13 +63,14 @@ def matmul_params(cfg: ModelConfig) -> int:
 def workload_floor(cfg: ModelConfig, dtype: torch.dtype, requests: list, max_num_seqs: int,
                    copy_bytes_per_s: float, matmul_flops_per_s: float,
                    shared_prefix_len: int = 0,  # the prompts' first tokens are the same: computed once (chapter 10b)
-                   quantization: str | None = None) -> dict:  # "int8": the weights a decode step reads (chapter 9c)
+                   quantization: str | None = None,  # "int8": the weights a decode step reads (chapter 9c)
+                   cache_dtype: torch.dtype | None = None) -> dict:  # the KV cache's, if not `dtype` (an 8-bit cache, 9c)
     "The least time any engine needs for `requests`: decode bytes over copy bandwidth + prefill FLOPs over matmul rate."
     p = [len(ids) for ids, _ in requests]
     o = [n for _, n in requests]
     steps = max(max(o) - 1, -(-sum(n - 1 for n in o) // max_num_seqs))
     kv_reads = sum((n - 1) * pi + (n - 1) * n // 2 for pi, n in zip(p, o))  # sum over t=1..n-1 of (pi + t)
-    c = kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    c = kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cache_dtype or dtype)
     decode_bytes = steps * weight_bytes_per_step(cfg, dtype, quantization) + c * kv_reads
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     again, L = len(p) - 1, shared_prefix_len  # every prompt but the first could take its first L positions from a cache
@@ -202,7 +203,7 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
     if runner.device.type == "cuda":
         res["copy_bytes_per_s"], res["matmul_flops_per_s"] = copy_bandwidth(runner.device), matmul_rate(runner.device, runner.dtype)
         res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"],
-                                      res["matmul_flops_per_s"], prefix_len, runner.config.quantization)
+                                      res["matmul_flops_per_s"], prefix_len, runner.config.quantization, runner.cache_dtype)
         torch.cuda.empty_cache()  # hand the measurements' 2 GiB back: an allocator short of memory frees blocks, which waits for the GPU
     res["nanoserve"] = time_engine(llm, requests)
     if "floor" in res: res["fraction_of_floor"] = res["floor"]["seconds"] / res["nanoserve"]["seconds"]

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_MIN_SPLIT_TOKENS', 'DECODE_MAX_SPLITS',
-           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'STORE_BLOCK_T',
-           'decode_attention_bytes', 'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile',
+           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'FP8', 'CACHE_DTYPES',
+           'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile',
            'resident_programs', 'decode_num_splits', 'paged_decode_attention', 'paged_prefill_attention',
            'TritonPagedAttention']
 
@@ -69,13 +69,17 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 
 # %% ../chapters/09_paged_attention.ipynb #54baa49f
+FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
     "(block_size, K, D) of one layer's pools k_cache, v_cache (num_blocks, block_size, K, D), after checking them."
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must be (num_blocks, block_size, K, D) of one shape; "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"k_cache and v_cache must share one dtype of float16, bfloat16, float32; got {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"k_cache and v_cache must share one dtype of float16, bfloat16, float32, float8_e4m3fn; "
+                         f"got {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache and v_cache need equal strides and a contiguous last dim; got {k_cache.stride()}, {v_cache.stride()}")
     _, block_size, K, D = k_cache.shape
@@ -89,8 +93,8 @@ def _check_q(q: torch.Tensor, dtype: torch.dtype, K: int, D: int) -> int:
     "The group size G = H // K, after checking q (T, H, D) against the cache."
     if q.dim() != 3 or q.shape[2] != D or q.stride(-1) != 1:
         raise ValueError(f"q must be (T, H, D={D}) with a contiguous last dim; got shape {tuple(q.shape)}, strides {q.stride()}")
-    if q.dtype != dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {dtype}")
+    if q.dtype not in CACHE_DTYPES[:3] or q.dtype != dtype and dtype != FP8:
+        raise ValueError(f"q is {q.dtype} but the cache is {dtype}" + " (an 8-bit cache takes queries of 16 or 32 bits)" * (dtype == FP8))
     if q.shape[1] % K:
         raise ValueError(f"q has H={q.shape[1]} heads, not a multiple of the cache's K={K} key/value heads")
     return q.shape[1] // K
@@ -143,7 +147,8 @@ STORE_BLOCK_T = 16  # tokens per store_kv program
 @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count (see below)
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
+                     SATURATE: tl.constexpr = 0):  # an 8-bit cache's largest value: larger ones are stored as it (0: none)
     _follow_early(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)  # BLOCK_T tokens, one KV head
     t, offs_d = tile * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)
@@ -152,8 +157,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch  # (BLOCK_T,)
     k = tl.load(k_ptr + t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + dst[:, None] + offs_d[None, :], v, mask=mask)
+    if SATURATE:  # as torch converts to float8_e4m3fn: out-of-range values become the largest, not NaN
+        k = tl.clamp(k.to(tl.float32), -SATURATE, SATURATE)
+        v = tl.clamp(v.to(tl.float32), -SATURATE, SATURATE)
+    tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst[:, None] + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 # %% ../chapters/09_paged_attention.ipynb #c8d76220
 def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' keys and values
@@ -163,7 +171,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     block_size, K, D = _check_cache(k_cache, v_cache)
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (K, D) or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"k and v must be (T, K={K}, D={D}) with a contiguous last dim; got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+    if k.dtype != v.dtype or k.dtype != k_cache.dtype and not (k_cache.dtype == FP8 and k.dtype in CACHE_DTYPES[:3]):
         raise ValueError(f"k, v are {k.dtype}, {v.dtype} but the cache is {k_cache.dtype}")
     _check_index("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     if len(slot_mapping) != len(k):
@@ -171,18 +179,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     _check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if interpreting(): check_slots(slot_mapping, k_cache)  # see _check_values
     if len(k) == 0: return
+    if interpreting() and k_cache.dtype == FP8 and k.dtype != FP8:  # the interpreter rounds to 8 bits wrongly (-7.84 became
+        k, v = k.to(FP8), v.to(FP8)  # -4.0 in Triton 3.6): torch rounds as the GPU does, and the kernel stores the bits
     pdl = _pdl(k.device)
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
         k, v, k_cache, v_cache, slot_mapping, len(k), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D=D, BLOCK_T=STORE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-        PDL=pdl, launch_pdl=pdl)
+        PDL=pdl, launch_pdl=pdl, SATURATE=torch.finfo(FP8).max if k_cache.dtype == FP8 else 0)
 
 # %% ../chapters/09_paged_attention.ipynb #08b9b184
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, n, n_mask, head_offset, offs_d, d_mask,
-                  stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
-    "Keys and values (N, D) at context positions n (N,) of one KV head, gathered through a block table row."
+                  stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DTYPE: tl.constexpr = None):
+    """Keys and values (N, D) at context positions n (N,) of one KV head, gathered through a block table row; in float32
+    under the interpreter (UPCAST), else in DTYPE where given (the queries' type, for an 8-bit cache)."""
     block = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (N,) physical block ids
     rows = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_offset  # (N,) where each position's head starts
     mask = n_mask[:, None] & d_mask[None, :]
@@ -191,6 +202,9 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, n, n_mask, head_offset, 
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif DTYPE is not None:
+        k = k.to(DTYPE)
+        v = v.to(DTYPE)
     return k, v
 
 # %% ../chapters/09_paged_attention.ipynb #7dc38e7c
@@ -255,7 +269,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
         n = n0 + offs_n
         n_mask = n < end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_ptr + b * stride_bt, n, n_mask, kh * stride_ch,
-                             offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
+                             offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
         valid = n_mask
         if WINDOWED:  # the first tile may begin before the window
             valid = n_mask & (n >= S - window)
@@ -445,7 +459,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     for n0 in range(lo, diag, BLOCK_N):  # tiles before the diagonal: no causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
-                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
+                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
         valid = True
         if WINDOWED:  # keys that fell out of a query's window
             valid = n[None, :] > pos[:, None] - window
@@ -453,7 +467,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     for n0 in range(diag, hi, BLOCK_N):  # tiles on the diagonal: causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
-                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
+                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
         valid = (n[None, :] <= pos[:, None]) & (n < hi)[None, :]
         if WINDOWED:
             valid = valid & (n[None, :] > pos[:, None] - window)

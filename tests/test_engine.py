@@ -679,6 +679,38 @@ def test_prefill_graph_length_pads_a_lone_prompt_up_and_leaves_batches_eager():
 
 # --- GPU -------------------------------------------------------------------------------------------------------
 
+def test_an_8_bit_kv_cache_holds_more_tokens_in_the_same_memory():
+    "kv_cache_dtype='fp8' (chapter 9c): a float8_e4m3fn pool, four times the blocks of float32 in the CPU's budget."
+    for bad in ("int4", True, None):
+        with pytest.raises(ValueError, match="kv_cache_dtype"): EngineConfig(kv_cache_dtype=bad)
+    d = tiny_model_dir("llama")
+    runners = {kv: LLM(d, dtype="float32", device="cpu", max_model_len=256, kv_cache_dtype=kv).llm_engine.runner for kv in ("auto", "fp8")}
+    assert runners["auto"].cache.k.dtype == torch.float32 and runners["fp8"].cache.k.dtype == torch.float8_e4m3fn
+    assert runners["fp8"].num_blocks == 4 * runners["auto"].num_blocks and "float8_e4m3fn" in runners["fp8"].summary()
+    gc.collect()
+
+
+def test_an_8_bit_kv_cache_serves_the_default_model(default_llm):
+    "Rounding keys and values to 8 bits leaves a greedy continuation of the default model's mostly as it was."
+    fp8 = LLM(max_model_len=512, num_kv_blocks=128, device="cpu", kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["1, 2, 3, 4,", "The capital of France is"]
+    assert [o.text for o in fp8.generate(prompts, params, use_tqdm=False)] == [o.text for o in default_llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_an_8_bit_kv_cache_equals_the_cpu_reference(arch):
+    "The Triton kernels over a float8_e4m3fn pool, in CUDA graphs and eagerly, give the CPU reference's greedy tokens."
+    d, prompts = tiny_model_dir(arch), random_prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    run = lambda **kw: [o.token_ids for o in LLM(d, dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=1024,
+                                                kv_cache_dtype="fp8", **kw).generate(prompts, params, use_tqdm=False)]
+    graphs = run()
+    assert graphs == run(enforce_eager=True) == run(device="cpu")
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_to_device_through_pinned_memory_equals_the_array():

@@ -477,6 +477,53 @@ def test_decode_attention_bytes():
     assert decode_attention_bytes(64, 4096, 32, 8, 64) == kv + 2 * 64 * 32 * 64 * 2
 
 
+# ---- an 8-bit cache (chapter 9c): stored as torch rounds to float8_e4m3fn, read back in the queries' type
+
+FP8 = kernels.FP8
+
+
+def fp8_batch(context_lens, q_lens, H, K, D, dtype=torch.float32, seed=0):
+    "paged_batch's batch, in the engine's head-major pools, with the cache rounded to 8 bits and the queries in `dtype`."
+    q, k_cache, v_cache, *rest = paged_batch(context_lens, q_lens, H, K, D, 16, torch.float32, seed, head_major=True)
+    return (q.to(dtype), k_cache.to(FP8), v_cache.to(FP8), *rest)  # NaN stays NaN: unwritten slots stay poisoned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_store_kv_into_an_8_bit_cache_rounds_as_torch_does(dtype):
+    "Bit for bit torch's .to(float8_e4m3fn): to nearest, and past 448 (its largest value) saturated, not NaN."
+    g = torch.Generator().manual_seed(3)
+    T, K, D = 37, 2, 64
+    k, v = ((torch.randn(T, K, D, generator=g) * 40).to(dtype).to(DEVICE) for _ in range(2))  # some past 448
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 448.0, -7.84]).to(dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:T].to(DEVICE)
+    slots[[3, 30]] = -1
+    pools = [[torch.full((8, 16, K, D), float("nan"), device=DEVICE).to(FP8) for _ in range(2)] for _ in range(2)]
+    store_kv(k, v, *pools[0], slots)
+    store_kv_ref(k, v, *pools[1], slots)
+    for ours, ref in zip(*pools): assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    assert pools[0][0].float().nan_to_num().abs().max() == 448
+
+
+@pytest.mark.parametrize("G, D", [(4, 64), (2, 128), (1, 32)])
+def test_kernels_over_an_8_bit_cache_match_the_reference(G, D):
+    "Decode, split or not, and prefill read the 8-bit values the reference reads, and attend with them in float32."
+    K, lens = 2, [1, 16, 17, 40, 100]
+    dec = fp8_batch(lens, [1] * len(lens), G * K, K, D, seed=4)
+    ref = reference(*dec)
+    for n in (None, 1, 3): torch.testing.assert_close(decode(*dec[:5], num_splits=n), ref, **TOL[torch.float32])
+    pre = fp8_batch(lens, [1, 5, 17, 3, 40], G * K, K, D, seed=5)
+    torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.float32])
+
+
+def test_an_8_bit_cache_takes_queries_of_16_or_32_bits_and_a_pair_of_one_dtype():
+    q, k_cache, v_cache, bt, lens, _ = fp8_batch([5, 9], [1, 1], 4, 2, 32)
+    with pytest.raises(ValueError, match="8-bit cache takes queries of 16 or 32 bits"): decode(q.to(FP8), k_cache, v_cache, bt, lens)
+    with pytest.raises(ValueError, match="share one dtype"): decode(q, k_cache, v_cache.float(), bt, lens)
+    slot = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for k, v in ((torch.zeros(1, 2, 32, dtype=torch.int8), torch.zeros(1, 2, 32, dtype=torch.int8)), (torch.zeros(1, 2, 32), torch.zeros(1, 2, 32).half())):
+        with pytest.raises(ValueError, match="but the cache is"): store_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slot)
+
+
 # ---- GPU: compiled, bf16/fp16, real model shapes
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}  # H, K, D
@@ -669,3 +716,17 @@ def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stage
     assert done.returncode == 0, done.stderr[-2000:]
     buffers = json.loads(done.stdout)["num_stages -> key buffers"]
     assert buffers == {str(s): 0 if s == 1 else max(1, (s - 1) // 2) for s in range(1, 10)}, buffers
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_an_8_bit_cache_at_real_shapes(shape):
+    "bf16 queries over a float8_e4m3fn cache: decode split or not, and prefill, against the reference's float32 attention."
+    H, K, D = SHAPES[shape]
+    lens = [1, 15, 16, 17, 511, 512, 513, 1000, 2047, 4096, 4097, 3000, 77, 129, 2500, 8191]
+    dec = fp8_batch(lens, [1] * len(lens), H, K, D, torch.bfloat16, seed=12)
+    ref = reference(*dec)
+    for n in (None, 1, 8): torch.testing.assert_close(decode(*dec[:5], num_splits=n), ref, **TOL[torch.bfloat16])
+    pre = fp8_batch(lens[:6], [1, 15, 16, 17, 300, 512], H, K, D, torch.bfloat16, seed=13)
+    torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])

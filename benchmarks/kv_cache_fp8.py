@@ -1,0 +1,65 @@
+"""An 8-bit KV cache (chapter 9c) on a CUDA GPU: decode attention over a float8_e4m3fn cache against the same kernel over
+bfloat16, for the KV shapes of Llama-3.2-1B and Qwen3-0.6B, with the outputs' largest difference; and, with --engine, the
+engine's KV blocks and output rate with each cache (random weights). Prints JSON.
+
+    python benchmarks/kv_cache_fp8.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
+"""
+import argparse, datetime, gc, json, platform, sys
+from pathlib import Path
+
+import torch
+
+from engine_rates import engine_rates  # benchmarks/, this script's folder
+from paged_attention import MODELS, bench_graphed, copy_bandwidth_gbs, free_bytes, git_commit, paged_inputs
+import nanoserve.kernels as kernels
+from nanoserve.kernels import FP8, decode_attention_bytes, paged_decode_attention
+
+SHAPES = [(8, 4096), (64, 4096), (256, 4096), (8, 16384), (64, 16384), (1, 16384)]  # (B, S)
+
+
+def decode_pair(model: str, B: int, S: int) -> dict:
+    "The decode kernel over one bfloat16 cache and over the same values in 8 bits."
+    H, K, D = MODELS[model]
+    row = dict(model=model, batch=B, context=S)
+    if 2 * B * S * K * D * 3 + (2 << 30) > free_bytes(): return {**row, "skipped": "not enough GPU memory"}
+    q, k16, v16, bt, lens = paged_inputs(B, S, H, K, D, 16)
+    scale, out16, out8 = D**-0.5, torch.empty_like(q), torch.empty_like(q)
+    k8, v8 = k16.to(FP8), v16.to(FP8)  # the same strides: the engine's head-major blocks
+    t16 = bench_graphed(lambda: paged_decode_attention(q, k16, v16, bt, lens, scale, out=out16))
+    t8 = bench_graphed(lambda: paged_decode_attention(q, k8, v8, bt, lens, scale, out=out8))
+    bytes16, bytes8 = decode_attention_bytes(B, S, H, K, D), decode_attention_bytes(B, S, H, K, D, FP8) + 2 * B * H * D  # q, out: bf16
+    return {**row, "splits": kernels.decode_num_splits(q, k16, bt), "bf16_ms": t16["ms"], "fp8_ms": t8["ms"],
+            "speedup": t16["ms"] / t8["ms"], "bf16_gbs": bytes16 / t16["ms"] / 1e6, "fp8_gbs": bytes8 / t8["ms"] / 1e6,
+            "max_abs_diff": (out8.float() - out16.float()).abs().max().item(), "max_abs_out": out16.float().abs().max().item()}
+
+
+def engine(model: str) -> dict:
+    "The engine on `model` with each cache: its KV blocks and its output rate on requests of 2048 + 256 tokens."
+    runs = {}
+    for name in ("auto", "fp8", "auto_again", "fp8_again"):
+        runs[name] = engine_rates(model, {"greedy": dict(temperature=0)}, num_requests=256, prompt_len=2048, output_len=256,
+                                  kv_cache_dtype=name.removesuffix("_again"))
+        gc.collect(); torch.cuda.empty_cache()
+    return runs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--engine", help="also run the engine on this model config (random weights) with each cache")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    res = {"benchmark": "kv_cache_fp8", "device": torch.cuda.get_device_name(device),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **git_commit(),
+           "versions": {"torch": torch.__version__, "python": platform.python_version()},
+           "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each", "block_size": 16,
+           "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+           "decode": [decode_pair(m, B, S) for m in MODELS for B, S in SHAPES]}
+    if args.engine: res["engine"] = engine(args.engine)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out: args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
