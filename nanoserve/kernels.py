@@ -157,7 +157,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch  # (BLOCK_T,)
     k = tl.load(k_ptr + t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask)
-    if SATURATE:  # as torch converts to float8_e4m3fn: out-of-range values become the largest, not NaN
+    if SATURATE > 0:  # as torch converts to float8_e4m3fn: out-of-range values become the largest, not NaN
         k = tl.clamp(k.to(tl.float32), -SATURATE, SATURATE)
         v = tl.clamp(v.to(tl.float32), -SATURATE, SATURATE)
     tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
