@@ -463,7 +463,7 @@ def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4)
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i32",
              "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32"}
     constexprs = dict(H=32, G=4, D=head_dim, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=False,
-                      UPCAST=False, PRECISION="tf32", PDL=False)
+                      UPCAST=False, PRECISION="tf32", PDL=False, WINDOWED=False, FP16_DOTS=False)
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     # as at a launch on the engine's pools: pointers and strides are multiples of 16 (stride_bt is not specialized)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention import check_window
-from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, check_slots, check_tables
+from .paged_cache import MAX_SEQS_PER_STEP, PagedAttention, check_slots, check_tables, to_cache_dtype
 
 # %% ../chapters/09_paged_attention.ipynb #f0c1a330
 def decode_attention_bytes(num_seqs: int,  # B
@@ -180,7 +180,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     if interpreting(): check_slots(slot_mapping, k_cache)  # see _check_values
     if len(k) == 0: return
     if interpreting() and k_cache.dtype == FP8 and k.dtype != FP8:  # the interpreter rounds to 8 bits wrongly (-7.84 became
-        k, v = k.to(FP8), v.to(FP8)  # -4.0 in Triton 3.6): torch rounds as the GPU does, and the kernel stores the bits
+        k, v = to_cache_dtype(k, FP8), to_cache_dtype(v, FP8)  # -4.0 in Triton 3.6): torch rounds as the GPU does
     pdl = _pdl(k.device)
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
         k, v, k_cache, v_cache, slot_mapping, len(k), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -245,7 +245,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
                    num_splits, window,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False):
     _follow_early(PDL)
     kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a sequence's KV heads are launched side by side
     S = tl.load(lens_ptr + b)
@@ -262,6 +262,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)  # (G, D)
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP16_DOTS:  # an 8-bit cache: its values widen to float16 in one instruction a pair, and q fits it exactly
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
@@ -269,7 +271,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
         n = n0 + offs_n
         n_mask = n < end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_ptr + b * stride_bt, n, n_mask, kh * stride_ch,
-                             offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
+                             offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q.dtype)
         valid = n_mask
         if WINDOWED:  # the first tile may begin before the window
             valid = n_mask & (n >= S - window)
@@ -348,7 +350,7 @@ def _decode_options(q, k_cache, num_splits: int, window: int | None) -> dict:
     pdl = _pdl(q.device)
     return dict(H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=triton.next_power_of_2(D),
                 BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),
-                PRECISION=_dot_precision(q.dtype), PDL=pdl, WINDOWED=window is not None,
+                PRECISION=_dot_precision(q.dtype), PDL=pdl, WINDOWED=window is not None, FP16_DOTS=k_cache.dtype == FP8,
                 num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
 
 def _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, parts: tuple, scale: float, num_splits: int,
@@ -433,7 +435,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, window,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    WINDOWED: tl.constexpr):
+                    WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False):
     tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
@@ -446,6 +448,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP16_DOTS:  # as in decode
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
@@ -459,7 +463,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     for n0 in range(lo, diag, BLOCK_N):  # tiles before the diagonal: no causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
-                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
+                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q.dtype)
         valid = True
         if WINDOWED:  # keys that fell out of a query's window
             valid = n[None, :] > pos[:, None] - window
@@ -467,7 +471,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     for n0 in range(diag, hi, BLOCK_N):  # tiles on the diagonal: causal mask
         n = n0 + offs_n
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n < hi, head_offset, offs_d, d_mask,
-                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q_ptr.dtype.element_ty)
+                             stride_cb, stride_cs, BLOCK_SIZE, UPCAST, q.dtype)
         valid = (n[None, :] <= pos[:, None]) & (n < hi)[None, :]
         if WINDOWED:
             valid = valid & (n[None, :] > pos[:, None] - window)
@@ -515,7 +519,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), window or 0,
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None)
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=k_cache.dtype == FP8)
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #4920fc9b
