@@ -72,6 +72,11 @@ PREFILL_NUM_STAGES = 2
 FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
 
+def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels compute in float16: bfloat16 queries over an 8-bit cache, whose values widen to float16 in one
+    instruction a pair (to bfloat16, in several) and which holds every bfloat16 query and softmax weight exactly."""
+    return k_cache.dtype == FP8 and q.dtype == torch.bfloat16
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
     "(block_size, K, D) of one layer's pools k_cache, v_cache (num_blocks, block_size, K, D), after checking them."
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -350,7 +355,7 @@ def _decode_options(q, k_cache, num_splits: int, window: int | None) -> dict:
     pdl = _pdl(q.device)
     return dict(H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=triton.next_power_of_2(D),
                 BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),
-                PRECISION=_dot_precision(q.dtype), PDL=pdl, WINDOWED=window is not None, FP16_DOTS=k_cache.dtype == FP8,
+                PRECISION=_dot_precision(q.dtype), PDL=pdl, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache),
                 num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
 
 def _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, parts: tuple, scale: float, num_splits: int,
@@ -519,7 +524,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), window or 0,
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=k_cache.dtype == FP8)
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache))
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #4920fc9b
