@@ -74,7 +74,8 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
 
 def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernels compute in float16: bfloat16 queries over an 8-bit cache, whose values widen to float16 in one
-    instruction a pair (to bfloat16, in several) and which holds every bfloat16 query and softmax weight exactly."""
+    instruction a pair (to bfloat16, in several). Float16 holds queries and softmax weights with more mantissa bits than
+    bfloat16; only magnitudes past 65504, or below 6e-5 (which lose bits), would not fit, and attention has neither."""
     return k_cache.dtype == FP8 and q.dtype == torch.bfloat16
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
@@ -267,7 +268,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)  # (G, D)
     if UPCAST:
         q = q.to(tl.float32)
-    elif FP16_DOTS:  # an 8-bit cache: its values widen to float16 in one instruction a pair, and q fits it exactly
+    elif FP16_DOTS:  # an 8-bit cache: its values widen to float16 in one instruction a pair (_fp16_dots)
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
