@@ -154,7 +154,7 @@ def add_engine_args(p):
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="'int8': the linear layers' weights as int8 rows with a scale each, half the bytes per decode step")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                   help="'fp8' (or 'fp8_e4m3'): keys and values in 8 bits, twice the tokens in the same memory (default: the model's dtype)")
+                   help="'fp8' (or 'fp8_e4m3'): keys and values in 8 bits, twice the tokens of bf16 in the same memory (default: the model's dtype)")
     add_generation_config_args(p)
     p.add_argument("--seed", type=int, default=0)
 

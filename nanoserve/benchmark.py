@@ -241,6 +241,7 @@ def latency_benchmark(model=None, input_len: int = 128, output_len: int = 256, b
     best = min(runs, key=lambda r: r["seconds"])
     res = {"benchmark": "latency", "model": str(model or "default"), **environment(),
            "input_len": input_len, "output_len": output_len, "batch_size": batch_size, "dtype": str(runner.dtype),
+           "kv_cache_dtype": str(runner.cache_dtype), "quantization": runner.config.quantization,
            "cuda_graphs": len(runner.graphs), **best, "ms_per_token": 1e3 * best["seconds"] / output_len, "runs": runs}
     if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)

@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_MIN_SPLIT_TOKENS', 'DECODE_MAX_SPLITS',
-           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'FP8', 'CACHE_DTYPES',
-           'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile',
-           'resident_programs', 'decode_num_splits', 'paged_decode_attention', 'paged_prefill_attention',
+           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'FP8', 'QUERY_DTYPES',
+           'CACHE_DTYPES', 'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv', 'choose_num_splits',
+           'decode_tile', 'resident_programs', 'decode_num_splits', 'paged_decode_attention', 'paged_prefill_attention',
            'TritonPagedAttention']
 
 # %% ../chapters/09_paged_attention.ipynb #ea379e57
@@ -70,7 +70,8 @@ PREFILL_NUM_STAGES = 2
 
 # %% ../chapters/09_paged_attention.ipynb #54baa49f
 FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = QUERY_DTYPES + (FP8,)
 
 def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernels compute in float16: bfloat16 queries over an 8-bit cache, whose values widen to float16 in one
@@ -99,7 +100,7 @@ def _check_q(q: torch.Tensor, dtype: torch.dtype, K: int, D: int) -> int:
     "The group size G = H // K, after checking q (T, H, D) against the cache."
     if q.dim() != 3 or q.shape[2] != D or q.stride(-1) != 1:
         raise ValueError(f"q must be (T, H, D={D}) with a contiguous last dim; got shape {tuple(q.shape)}, strides {q.stride()}")
-    if q.dtype not in CACHE_DTYPES[:3] or q.dtype != dtype and dtype != FP8:
+    if q.dtype not in QUERY_DTYPES or q.dtype != dtype and dtype != FP8:
         raise ValueError(f"q is {q.dtype} but the cache is {dtype}" + " (an 8-bit cache takes queries of 16 or 32 bits)" * (dtype == FP8))
     if q.shape[1] % K:
         raise ValueError(f"q has H={q.shape[1]} heads, not a multiple of the cache's K={K} key/value heads")
@@ -164,8 +165,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
     k = tl.load(k_ptr + t[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask)
     if SATURATE > 0:  # as torch converts to float8_e4m3fn: out-of-range values become the largest, not NaN
-        k = tl.clamp(k.to(tl.float32), -SATURATE, SATURATE)
-        v = tl.clamp(v.to(tl.float32), -SATURATE, SATURATE)
+        k, v = k.to(tl.float32), v.to(tl.float32)
+        k = tl.where(k == k, tl.clamp(k, -SATURATE, SATURATE), k)  # NaN stays NaN (clamp's own NaN rule differs by backend)
+        v = tl.where(v == v, tl.clamp(v, -SATURATE, SATURATE), v)
     tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst[:, None] + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -177,7 +179,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     block_size, K, D = _check_cache(k_cache, v_cache)
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (K, D) or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"k and v must be (T, K={K}, D={D}) with a contiguous last dim; got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.dtype != v.dtype or k.dtype != k_cache.dtype and not (k_cache.dtype == FP8 and k.dtype in CACHE_DTYPES[:3]):
+    if k.dtype != v.dtype or k.dtype != k_cache.dtype and not (k_cache.dtype == FP8 and k.dtype in QUERY_DTYPES):
         raise ValueError(f"k, v are {k.dtype}, {v.dtype} but the cache is {k_cache.dtype}")
     _check_index("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     if len(slot_mapping) != len(k):
@@ -185,14 +187,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor,  # (T, K, D): the new tokens' key
     _check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if interpreting(): check_slots(slot_mapping, k_cache)  # see _check_values
     if len(k) == 0: return
-    if interpreting() and k_cache.dtype == FP8 and k.dtype != FP8:  # the interpreter rounds to 8 bits wrongly (-7.84 became
-        k, v = to_cache_dtype(k, FP8), to_cache_dtype(v, FP8)  # -4.0 in Triton 3.6): torch rounds as the GPU does
+    if interpreting() and k_cache.dtype == FP8 and k.dtype != FP8:  # the interpreter converts to and from 8 bits wrongly
+        k, v = to_cache_dtype(k, FP8), to_cache_dtype(v, FP8)  # (-7.84 became -4.0, NaN 448): torch's bits, copied as they are
     pdl = _pdl(k.device)
     _store_kv_kernel[(triton.cdiv(len(k), STORE_BLOCK_T), K)](
         k, v, k_cache, v_cache, slot_mapping, len(k), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D=D, BLOCK_T=STORE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-        PDL=pdl, launch_pdl=pdl, SATURATE=torch.finfo(FP8).max if k_cache.dtype == FP8 else 0)
+        PDL=pdl, launch_pdl=pdl, SATURATE=torch.finfo(FP8).max if k_cache.dtype == FP8 != k.dtype else 0)
 
 # %% ../chapters/09_paged_attention.ipynb #08b9b184
 @triton.jit
@@ -373,7 +375,7 @@ def _programs_per_wave(q, k_cache, block_tables, num_splits: int, window: int | 
     variant); None under the interpreter, which has no GPU binary to read."""
     if interpreting(): return None
     options = _decode_options(q, k_cache, num_splits, window)
-    key = (q.device, q.dtype, tuple(options.items()))
+    key = (q.device, q.dtype, k_cache.dtype, tuple(options.items()))
     if key not in _PROGRAMS_PER_SM:  # compile (or find) the kernel, launch nothing; stand-ins whose types are the real ones'
         parts = [torch.empty(1, dtype=torch.float32, device=q.device)] * 3
         args = _decode_args(q, k_cache, k_cache, block_tables, block_tables[0], q, parts, 1.0, num_splits, window)

@@ -212,9 +212,9 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     "The KV pool's dtype for the kv_cache_dtype option: the model's, or float8_e4m3fn where the device converts to it."
     dtype = KV_CACHE_DTYPES[name] or model_dtype
-    if dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"kv_cache_dtype={name!r} needs a GPU that converts to 8-bit floats, of compute capability 8.9 or "
-                         f"newer (Ada, Hopper); {torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
+    if dtype == torch.float8_e4m3fn and device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"kv_cache_dtype={name!r} needs an NVIDIA GPU that converts to 8-bit floats, of compute capability 8.9 "
+                         f"or newer (Ada, Hopper); {torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     return dtype
 
 class ModelRunner:

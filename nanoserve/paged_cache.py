@@ -70,8 +70,9 @@ def check_slots(slot_mapping: torch.Tensor, cache: torch.Tensor):
                          f"got values from {slot_mapping.min().item()} to {slot_mapping.max().item()}")
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values in a cache's dtype. An 8-bit float cache (chapter 9c) saturates at its largest value: torch's own
-    conversion rounds a little past it down to it, but makes values far past it NaN, which would poison attention."""
+    """Keys or values in a cache's dtype. An 8-bit float cache (chapter 9c) saturates at its largest value, and NaN stays
+    NaN. torch's own conversion saturates on some devices but not all: on an H200 (torch 2.11) 10,000 became NaN,
+    which would poison every attention that reads it."""
     if dtype.is_floating_point and dtype.itemsize == 1: x = x.float().clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
     return x.to(dtype)
 
