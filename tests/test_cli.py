@@ -139,7 +139,8 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     (["serve", "--port", "0", "--chat-template", "{% for %}"], "chat_template: line 1: Expected an expression"),
     (["serve", "--port", "0", "--chat-template", "./no-such-template.jinja"], "not a file, and not a template either"),
     (["serve", "--port", "0", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-    (["serve", "--port", "0", "--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'"),
+    (["serve", "--port", "0", "--tool-call-parser", "xml"], "invalid choice: 'xml'"),
+    (["serve", "--port", "0", "--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
 ])
 def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
     "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."
