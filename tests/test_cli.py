@@ -142,8 +142,10 @@ def test_generate_bad_arguments_exit_2_with_one_line(args, message):
     (["serve", "--port", "0", "--tool-call-parser", "xml"], "invalid choice: 'xml'"),
     (["serve", "--port", "0", "--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
 ])
-def test_bad_arguments_are_refused_before_any_work(args, message, capsys):
+def test_bad_arguments_are_refused_before_any_work(args, message, capsys, monkeypatch):
     "Exit code 2 and one line naming the problem, before a model loads or a benchmark runs."
+    import uvicorn  # a case that stops being refused would otherwise serve, and this test wait, forever (it once hung CI)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **kw: pytest.fail(f"{args}: not refused, a server started"))
     with pytest.raises(SystemExit) as e:
         main(args)
     err = capsys.readouterr().err.strip()
