@@ -173,8 +173,10 @@ def test_dtype_auto_is_accepted_as_in_vllm():
 @pytest.mark.slow
 def test_ctrl_c_stops_generate_quietly():
     import signal, time
+    # A shell's background job starts with SIGINT ignored, and Python then keeps it ignored: Ctrl-C's default, for the child
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "generate", "--prompt", "Once upon a time", "--max-new-tokens", "2000",
-                             "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1)  # streaming: the model has loaded
         time.sleep(0.5)
