@@ -6,10 +6,11 @@
 __all__ = ['TOOL_NAME', 'HERMES_OPEN', 'HERMES_CLOSE', 'TOOL_CALL_PARSERS', 'PYTHON_TAG', 'PYTHON_START', 'PYTHON_END',
            'JSON_NAMES', 'MISTRAL_CALLS', 'MISTRAL_ARGS', 'KEEPS_SPECIAL_TOKENS', 'check_tools', 'chosen_tool',
            'arguments_schema', 'arguments_constraint', 'forces_call', 'tool_choice_constraint', 'new_call_id',
-           'tool_call', 'parse_tool_calls', 'call_finish_reason', 'tool_message', 'ToolCallStream', 'template_message',
-           'arguments_text', 'json_call', 'hermes_call', 'parse_hermes', 'held_back', 'HermesStream',
-           'tool_call_parser', 'parse_llama3_json', 'LeadingCallsStream', 'Llama3JsonStream', 'python_literal',
-           'parse_pythonic', 'PythonicStream', 'mistral_call_id', 'mistral_calls', 'parse_mistral', 'MistralStream']
+           'tool_call', 'parse_tool_calls', 'call_finish_reason', 'tool_message', 'indexed_calls', 'ToolCallStream',
+           'template_message', 'arguments_text', 'json_call', 'hermes_call', 'parse_hermes', 'held_back',
+           'HermesStream', 'tool_call_parser', 'parse_llama3_json', 'LeadingCallsStream', 'Llama3JsonStream',
+           'python_literal', 'parse_pythonic', 'PythonicStream', 'mistral_call_id', 'mistral_calls', 'parse_mistral',
+           'MistralStream']
 
 # %% ../chapters/06d_tool_calls.ipynb #tc000004
 import ast, json, math, re, reprlib, uuid, warnings
@@ -119,6 +120,10 @@ def tool_message(text: str, finish_reason: str | None, tools: list, tool_choice,
     return {"role": "assistant", "content": content, "tool_calls": calls}, call_finish_reason(finish_reason, tool_choice, True)
 
 # %% ../chapters/06d_tool_calls.ipynb #tc000020
+def indexed_calls(calls: list) -> dict:
+    "A stream's delta that sends whole calls at once, each with its place in the message's `tool_calls`."
+    return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+
 class ToolCallStream:
     """The deltas of one streamed choice with tools: a forced named function's arguments as they are generated (a call cut
     short by max_tokens ends with broken arguments here, where a whole output gives its text), with 'required' all calls
@@ -138,7 +143,7 @@ class ToolCallStream:
         elif not finished: return None
         else:
             calls = parse_tool_calls(self.text, self.tools, self.tool_choice)
-            delta = {"content": self.text} if calls is None else {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+            delta = {"content": self.text} if calls is None else indexed_calls(calls)
         self.called = self.called or bool(delta and "tool_calls" in delta)
         return delta
 
@@ -280,7 +285,7 @@ class LeadingCallsStream:
         if not self.calls: return {"content": text} if text else None
         if not finished: return None
         _, calls = type(self).parse(self.text)
-        return {"content": self.text} if calls is None else {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        return {"content": self.text} if calls is None else indexed_calls(calls)
 
 class Llama3JsonStream(LeadingCallsStream):
     "Deltas of a streamed output in Llama 3's JSON format: an output that opens with '{' (or the tag) is held until it ends."
@@ -384,6 +389,6 @@ class MistralStream:
         else: self.after += text
         if not finished: return {"content": content} if content else None
         if (calls := mistral_calls(self.after)) is None: return {"content": content + MISTRAL_CALLS + self.after}
-        return ({"content": content} if content else {}) | {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        return ({"content": content} if content else {}) | indexed_calls(calls)
 
 TOOL_CALL_PARSERS["mistral"] = (parse_mistral, MistralStream)
