@@ -18,6 +18,9 @@ _store_decode_result, the same stores moved into a shared function):
   deep         the library kernel at batch 8 with every tile of a split in flight at once (more pipeline stages).
                Triton gives a load whose addresses come from another load (the block table) (num_stages - 1) // 2
                buffers, so 5 stages hold two tiles, 9 hold four.
+  wide         the library kernel with tiles of 256 keys for heads of 64, as many bytes per tile as 128 keys of 128
+               (the Qwen3-0.6B shape, whose 128-key tiles reach SDPA's bandwidth where the Llama shape's do not), and
+               other tiles, at split counts around the heuristic's (more programs per wave at batch 8, whole waves at 64).
   TMA          keys and values copied by the Hopper tensor-memory accelerator: a host tensor descriptor over the
                head-major pool seen as (blocks * K * block_size, D) rows, one (block_size, D) box per block and head,
                so no thread computes a gather address; BLOCKS_PER_TILE boxes per iteration.
@@ -418,6 +421,11 @@ def measure(models, cells, designs, log) -> list:
                 runs[f"interleaved{', peeled' if peel else ''}/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = (
                     lambda splits=splits, tile=tile, peel=peel: interleaved_decode(
                         q, k_cache, v_cache, tables, lens, scale, out, peel, splits, tile))
+        if "wide" in designs:
+            for tile, splits in itertools.product(WIDE_TILES[D], WIDE_SPLITS[B]):
+                if splits == 1 or S // splits >= 128:  # no split shorter than the library's shortest
+                    runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
+                        _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
         if "TMA" in designs:
             for tile in TMA_TILES[D]:
                 runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
@@ -495,7 +503,10 @@ PEEL_AT_DEPTH = [(1, (128, 4, 5)), (2, (128, 4, 5)), (1, (64, 4, 5)),  # (splits
                  (4, (128, 4, 3)), (4, (128, 4, 1))]  # and one: a peel with nothing behind it to delay
 TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (blocks per iteration, warps, stages)
              128: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 3)]}
-DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks")
+WIDE_TILES = {64: [(128, 4, 3), (128, 8, 3), (256, 4, 3), (256, 8, 3), (256, 4, 2), (256, 8, 1)],  # 256 keys of 64:
+              128: [(128, 4, 3), (128, 8, 3), (64, 2, 3), (64, 4, 3)]}  # the bytes per tile of 128 keys of 128
+WIDE_SPLITS = {8: [4, 6, 7, 9, 12, 16], 64: [1, 2, 3, 4, 5], 256: [1, 2]}
+DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide")
 BLOCK_SIZES = (32, 64, 256)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 
