@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['ENGINE_GC_THRESHOLD', 'RequestMetrics', 'TokenLogprobs', 'PromptLogprobs', 'CompletionOutput', 'RequestOutput',
-           'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'abort_ids', 'LLM', 'fewer_collections']
+           'UnsatisfiableRequest', 'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'next_mask',
+           'abort_ids', 'LLM', 'fewer_collections']
 
 # %% ../chapters/11b_engine.ipynb #d4ee404c
 import collections.abc, contextlib, dataclasses, gc, itertools, logging, math, time
@@ -131,6 +132,11 @@ class RequestOutput:
         return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason, self.error)
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
+class UnsatisfiableRequest(ValueError):
+    """What a request asked turned out, while it ran, to be impossible for this model: its structured output reached text
+    that no token of the vocabulary continues, or an automaton past its size limit. The request fails alone, and a
+    server answers it as the client's error (a 400), not as its own (a 500)."""
+
 @dataclass
 class Request:
     "The engine's record of one request: its sequence, its text so far and its bookkeeping."
@@ -146,7 +152,7 @@ class Request:
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token or stop string that finished it (check_stop's)
     constraint: ConstraintState | None = None  # where its structured output stands (chapter 6c), advanced by each recorded token
-    constraint_error: ValueError | None = None  # its mask could not be made: recording its next token fails the request
+    constraint_error: ValueError | None = None  # its next mask could not be made: recording its next token fails the request
 
     def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
@@ -339,12 +345,21 @@ def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
     for req in reqs:
         c, mask = req.constraint, None
         if c is not None:
-            try: mask = c.constraint.allowed_bits(c.state if req.seq not in rows else c.constraint.advance(c.state, in_flight[rows[req.seq]]))
-            except ValueError as e: req.constraint_error = e  # an automaton past its size limit: this request fails, alone
-            if mask is not None and not mask.any():  # a vocabulary without a byte the pattern needs (chapter 6c)
-                req.constraint_error, mask = ValueError("structured output: no token of the vocabulary continues the text"), None
+            try: mask = next_mask(c, in_flight[rows[req.seq]] if req.seq in rows else None)
+            except ValueError as e: req.constraint_error = e  # this request fails, alone
         masks.append(mask)
     return masks
+
+def next_mask(c: ConstraintState, in_flight: int | None):
+    """The packed mask of the tokens constraint `c` allows after the token `in_flight` (None: none is on its way).
+    Raises UnsatisfiableRequest where the request asked for the impossible; a token the last mask forbade is a bug."""
+    state = c.state if in_flight is None else c.constraint.advance(c.state, in_flight)
+    try: mask = c.constraint.allowed_bits(state)
+    except ValueError as e: raise UnsatisfiableRequest(f"structured output: {e}") from None  # an automaton past its size limit
+    if not mask.any():  # a vocabulary without a byte the pattern needs here (chapter 6c); the first one is refused on arrival
+        raise UnsatisfiableRequest("structured output: no token of this model's vocabulary continues the text so far "
+                                   "(the pattern needs a byte that no token holds)")
+    return mask
 
 LLMEngine._record_token, LLMEngine._fail, LLMEngine.step, LLMEngine._allowed = _record_token, _fail, _step, _allowed
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 
 from .async_engine import (AsyncLLMEngine, EngineStats, EngineStopped, LiveOutput, RequestFailed, _settle,
-                                    drain_deadline, engine_stats, hand_over)
+                                    drain_deadline, engine_stats, hand_over, request_failure)
 from .engine import (LLMEngine, PromptLogprobs, RequestMetrics, RequestOutput, _tokenizer_or_none, engine_config,
                               fewer_collections, model_sampling_defaults)
 
@@ -333,11 +333,12 @@ def _output(self: EngineProcess, items: list, delta: OutputDelta, error: tuple |
     assembly = self._assemblies[delta.request_id]
     assembly.apply(delta)
     final = assembly.output(delta) if delta.finished else None
-    kind, message = error or (("failed", delta.error) if delta.error else (None, None))
+    kind, message = error or (None, None)
+    failure = (EngineStopped(message) if kind == "stopped" else RequestFailed(message) if kind
+               else request_failure(delta.error) if delta.error else None)
     stream = self._streams.get(delta.request_id)
     if stream is not None:
-        item = assembly if final is None else final
-        items.append((stream, item if kind is None else EngineStopped(message) if kind == "stopped" else RequestFailed(message)))
+        items.append((stream, failure or (assembly if final is None else final)))
     if final is not None:
         self._streams.pop(delta.request_id, None)
         del self._assemblies[delta.request_id]

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException
 
 from . import __version__
-from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed
+from .async_engine import AsyncLLMEngine, EngineOverloaded, EngineStopped, RequestFailed, RequestInvalid
 from .engine import ENGINE_GC_THRESHOLD, RequestOutput, fewer_collections
 from .loader import DEFAULT_MODEL, resolve_model
 from .tokenizer import load_chat_template, template_options
@@ -183,8 +183,8 @@ def failed_events(error: Exception) -> str:
     "The events that end a stream whose request failed after its 200 was sent: the error, then [DONE] (as vLLM sends them)."
     stopped = isinstance(error, EngineStopped)
     message = f"The server is shutting down: {error}." if stopped else str(error)
-    return sse({"error": {"message": message, "type": "service_unavailable" if stopped else "server_error",
-                          "param": None, "code": 503 if stopped else 500}}) + sse("[DONE]")
+    status = 503 if stopped else 400 if isinstance(error, RequestInvalid) else 500
+    return sse({"error": {"message": message, "type": ERROR_TYPES[status], "param": None, "code": status}}) + sse("[DONE]")
 
 async def tagged(outputs: list):
     """(i, output) for the outputs of every choice i as they come, each choice's in order. A choice's next output is
@@ -631,6 +631,7 @@ def add_error_handlers(app: FastAPI):
         HTTPException: _http_error,
         EngineOverloaded: lambda r, e: error_response(503, f"The server is overloaded: {e}. Retry later.", headers=retry),
         EngineStopped: lambda r, e: error_response(503, f"The server is shutting down: {e}.", headers=retry),
+        RequestInvalid: lambda r, e: error_response(400, str(e)),  # found while running: still the request's own doing
         RequestFailed: lambda r, e: error_response(500, str(e)),
     }
     for kind, make in handlers.items():

@@ -136,6 +136,26 @@ def test_the_engine_process_takes_structured_requests_too():
         r = httpx.post(f"{u}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0,
                                                     "structured_outputs": {"regex": DATE}}, timeout=120)
         assert r.status_code == 200 and follows(SPECS[0], r.json()["choices"][0]["text"]), r.text
+        assert_a_dead_end_is_the_clients_error(u)
+
+
+def assert_a_dead_end_is_the_clients_error(u: str):
+    """'a' and then byte 0x04, which no token of SmolLM2 holds: the first token is allowed, the second has none. That was
+    a 500, or a server_error event; it is a 400 (an invalid_request_error event once the stream's 200 is out)."""
+    body = {"model": DEFAULT_MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "guided_regex": "a\u0004"}
+    r = httpx.post(f"{u}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "no token of this model's vocabulary continues the text so far" in r.json()["error"]["message"], r.text
+    with httpx.stream("POST", f"{u}/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert s.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == (400, "invalid_request_error") and "no token of this model" in error["message"]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) in ("", "a")  # what came before the dead end
+
+
+def test_a_pattern_that_dead_ends_after_its_first_token_is_the_clients_error(url):
+    assert_a_dead_end_is_the_clients_error(url)
 
 
 @pytest.mark.parametrize("body,param", [
