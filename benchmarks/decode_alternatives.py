@@ -21,6 +21,9 @@ _store_decode_result, the same stores moved into a shared function):
   wide         the library kernel with tiles of 256 keys for heads of 64, as many bytes per tile as 128 keys of 128
                (the Qwen3-0.6B shape, whose 128-key tiles reach SDPA's bandwidth where the Llama shape's do not), and
                other tiles, at split counts around the heuristic's (more programs per wave at batch 8, whole waves at 64).
+  fill         pipelines as deep as shared memory allows at the grid's residency: at batch 64 with one split, 512
+               programs need 4 an SM, which leaves ~56 KB each, three 64-key tiles of a head of 64 (7 stages) instead
+               of one 128-key tile; at batch 8, the same at split counts whose programs fit one wave.
   TMA          keys and values copied by the Hopper tensor-memory accelerator: a host tensor descriptor over the
                head-major pool seen as (blocks * K * block_size, D) rows, one (block_size, D) box per block and head,
                so no thread computes a gather address; BLOCKS_PER_TILE boxes per iteration.
@@ -426,6 +429,11 @@ def measure(models, cells, designs, log) -> list:
                 if splits == 1 or S // splits >= 128:  # no split shorter than the library's shortest
                     runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
                         _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
+        if "fill" in designs:
+            for tile, splits in itertools.product(FILL_TILES[D], FILL_SPLITS[B]):
+                if splits == 1 or S // splits >= 128:
+                    runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
+                        _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
         if "TMA" in designs:
             for tile in TMA_TILES[D]:
                 runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
@@ -506,7 +514,11 @@ TMA_TILES = {64: [(1, 4, 9), (2, 4, 7), (4, 4, 5), (4, 4, 3), (8, 4, 5)],  # (bl
 WIDE_TILES = {64: [(128, 4, 3), (128, 8, 3), (256, 4, 3), (256, 8, 3), (256, 4, 2), (256, 8, 1)],  # 256 keys of 64:
               128: [(128, 4, 3), (128, 8, 3), (64, 2, 3), (64, 4, 3)]}  # the bytes per tile of 128 keys of 128
 WIDE_SPLITS = {8: [4, 6, 7, 9, 12, 16], 64: [1, 2, 3, 4, 5], 256: [1, 2]}
-DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide")
+FILL_TILES = {  # (BLOCK_N, warps, stages): 7 stages hold three tiles, 5 two (--buffers); 64/4/7 and 32/x/7 fit 4 programs an SM
+    64: [(128, 4, 3), (64, 4, 7), (64, 2, 7), (64, 4, 5), (64, 4, 6), (128, 4, 5), (64, 4, 9)],
+    128: [(128, 4, 3), (64, 2, 3), (32, 2, 7), (32, 4, 7), (64, 4, 5), (32, 4, 5), (32, 2, 9)]}
+FILL_SPLITS = {8: [4, 7, 8, 9, 12, 16], 64: [1, 2], 256: [1]}
+DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide", "fill")
 BLOCK_SIZES = (32, 64, 256)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 

@@ -29,7 +29,8 @@ BATCHES = (8, 32, 64, 128, 256)
 CONTEXTS = (100, 2048)  # uniform, inclusive
 TABLE_WIDTH = 128  # blocks: max_model_len 2048 of the throughput benchmark
 TILES = [(64, 4, 2), (16, 2, 2), (16, 2, 3), (32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 4, 1)]
-WIDE_TILES = {64: [(256, 4, 3), (256, 8, 3)]}  # heads of 64: as many bytes per tile as 128 keys of 128
+EXTRA_TILES = {64: [(256, 4, 3), (256, 8, 3), (64, 4, 7), (64, 4, 5)],  # heads of 64: 256 keys, as many bytes per tile as
+               128: [(32, 4, 7), (32, 2, 7)]}  # 128 keys of 128; deeper pipelines: three tiles in flight with 7 stages
 
 
 def ragged_batch(B, H, K, D, seed):
@@ -66,7 +67,7 @@ def main(argv=None):
                    table_tile=list(table_tile(K * B * splits / num_sms, D)), us={}, max_abs_diff={})
         fn(); torch.cuda.synchronize()
         ref = out.clone()
-        for tile in [None] + TILES + WIDE_TILES.get(D, []):
+        for tile in [None] + TILES + EXTRA_TILES[D]:
             with pa.forced_decode(tile):  # None: the table's
                 name = "table" if tile is None else "/".join(map(str, tile))
                 fn(); torch.cuda.synchronize()
