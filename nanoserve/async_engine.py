@@ -11,8 +11,9 @@ __all__ = ['log', 'EngineOverloaded', 'EngineStopped', 'RequestFailed', 'Request
 import asyncio, collections, dataclasses, itertools, logging, queue, threading, time
 from dataclasses import dataclass
 
-from .engine import LLMEngine, RequestOutput, UnsatisfiableRequest, abort_ids
+from .engine import LLMEngine, RequestOutput, abort_ids
 from .sampling import SamplingParams
+from .structured import UnsatisfiableRequest
 
 log = logging.getLogger(__name__)
 

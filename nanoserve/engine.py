@@ -4,8 +4,7 @@
 
 # %% auto #0
 __all__ = ['ENGINE_GC_THRESHOLD', 'RequestMetrics', 'TokenLogprobs', 'PromptLogprobs', 'CompletionOutput', 'RequestOutput',
-           'UnsatisfiableRequest', 'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'next_mask',
-           'abort_ids', 'LLM', 'fewer_collections']
+           'Request', 'engine_config', 'model_sampling_defaults', 'LLMEngine', 'abort_ids', 'LLM', 'fewer_collections']
 
 # %% ../chapters/11b_engine.ipynb #d4ee404c
 import collections.abc, contextlib, dataclasses, gc, itertools, logging, math, time
@@ -23,7 +22,7 @@ from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplingParams, check_stop, choice_seed, generation_defaults, generation_overrides, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .structured import ConstraintState, compile_structured
+from .structured import ConstraintState, UnsatisfiableRequest, compile_structured, continuable
 from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json, template_options
 from .tool_calls import check_tools, template_message
 
@@ -132,11 +131,6 @@ class RequestOutput:
         return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason, self.error)
 
 # %% ../chapters/11b_engine.ipynb #2571dedb
-class UnsatisfiableRequest(ValueError):
-    """What a request asked turned out, while it ran, to be impossible for this model: its structured output reached text
-    that no token of the vocabulary continues, or an automaton past its size limit. The request fails alone, and a
-    server answers it as the client's error (a 400), not as its own (a 500)."""
-
 @dataclass
 class Request:
     "The engine's record of one request: its sequence, its text so far and its bookkeeping."
@@ -152,7 +146,8 @@ class Request:
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token or stop string that finished it (check_stop's)
     constraint: ConstraintState | None = None  # where its structured output stands (chapter 6c), advanced by each recorded token
-    constraint_error: ValueError | None = None  # its next mask could not be made: recording its next token fails the request
+    constraint_error: ValueError | None = None  # a mask it needs could not be made: the request fails, at the latest with
+    constraint_error_at: int = 0  # its output token of this index, the first one sampled without that mask
 
     def output(self, snapshot: bool = True) -> RequestOutput:
         "This request's RequestOutput now; a running request holds back text that may start a stop string."
@@ -288,7 +283,7 @@ def _record_token(self: LLMEngine, req: Request, row: int, logprobs: tuple | Non
     """Append the text and log probabilities of the token the sequence just took; finish it if a stop condition holds.
     `logprobs`: the step's log probabilities, top tokens and their log probabilities, as lists of rows, or None."""
     seq, token = req.seq, req.seq.output_token_ids[-1]
-    if req.constraint_error is not None: raise req.constraint_error
+    if req.constraint_error is not None and seq.num_output_tokens > req.constraint_error_at: raise req.constraint_error
     if req.constraint is not None: req.constraint.advance(token)  # a token the mask did not allow raises: this request fails
     if req.logprobs is not None:
         chosen, top_ids, top_lps = logprobs
@@ -302,6 +297,7 @@ def _record_token(self: LLMEngine, req: Request, row: int, logprobs: tuple | Non
         self.scheduler.finish(seq, done.reason)
         req.stop_reason = done.stop_reason
         req.metrics.finished_time = time.monotonic()
+    elif req.constraint_error is not None: raise req.constraint_error  # a token allowed, but none can follow it
 
 def _fail(self: LLMEngine, req: Request, error: Exception):
     "Finish one request whose processing raised, freeing its blocks; the error goes into its output."
@@ -345,21 +341,12 @@ def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
     for req in reqs:
         c, mask = req.constraint, None
         if c is not None:
-            try: mask = next_mask(c, in_flight[rows[req.seq]] if req.seq in rows else None)
-            except ValueError as e: req.constraint_error = e  # this request fails, alone
+            token = in_flight[rows[req.seq]] if req.seq in rows else None
+            try: mask = continuable(c.constraint.allowed_bits(c.state if token is None else c.constraint.advance(c.state, token)))
+            except ValueError as e:  # an empty mask (UnsatisfiableRequest), or a bug: this request fails, alone, after the
+                req.constraint_error, req.constraint_error_at = e, req.seq.num_output_tokens + (token is not None)  # token in flight
         masks.append(mask)
     return masks
-
-def next_mask(c: ConstraintState, in_flight: int | None):
-    """The packed mask of the tokens constraint `c` allows after the token `in_flight` (None: none is on its way).
-    Raises UnsatisfiableRequest where the request asked for the impossible; a token the last mask forbade is a bug."""
-    state = c.state if in_flight is None else c.constraint.advance(c.state, in_flight)
-    try: mask = c.constraint.allowed_bits(state)
-    except ValueError as e: raise UnsatisfiableRequest(f"structured output: {e}") from None  # an automaton past its size limit
-    if not mask.any():  # a vocabulary without a byte the pattern needs here (chapter 6c); the first one is refused on arrival
-        raise UnsatisfiableRequest("structured output: no token of this model's vocabulary continues the text so far "
-                                   "(the pattern needs a byte that no token holds)")
-    return mask
 
 LLMEngine._record_token, LLMEngine._fail, LLMEngine.step, LLMEngine._allowed = _record_token, _fail, _step, _allowed
 

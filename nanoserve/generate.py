@@ -15,7 +15,7 @@ import torch
 from .attention import causal_attention
 from .model import CausalLM, ModelConfig
 from .sampling import SamplingParams, TokenHistory, check_stop, make_generator, sample, stop_tokens
-from .structured import ConstraintState, compile_structured
+from .structured import ConstraintState, compile_structured, continuable
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # %% ../chapters/07_kv_cache.ipynb #7fc5b449
@@ -159,8 +159,7 @@ def generate(model: CausalLM, tokenizer: Tokenizer, prompt_ids: list, params: Sa
     while True:
         history = TokenHistory.from_lists([run.prompt_ids], [run.out], run.device) if params.penalized else None
         banned = [stop_tokens(params, run.stop_token_ids, len(run.out))] if params.min_tokens else None
-        allowed = None if run.constraint is None else [run.constraint.allowed_bits()]  # packed, as cached: no unpacking
-        if allowed and not allowed[0].any(): raise ValueError("structured output: no token of the vocabulary continues the text")
+        allowed = None if run.constraint is None else [continuable(run.constraint.allowed_bits())]  # packed, as cached
         token = sample(logits, [params], [run.generator], history, banned, allowed=allowed).token_ids.item()
         if run.emit(token): return run.finish()
         logits = forward_cached(model, torch.tensor([token], device=run.device), run.cache)  # decode one token

@@ -12,7 +12,8 @@ __all__ = ['MAX_CODEPOINT', 'ANY', 'DIGIT', 'WORD', 'SPACE', 'CLASS_ESCAPES', 'C
            'vocabulary_matrix', 'vocabulary_bytes', 'escape_char', 'regex_escape', 'to_regex', 'restrict', 'json_array',
            'json_value', 'json_object', 'json_literal', 'has_type', 'json_schema_regex', 'SchemaCompiler',
            'digits_range', 'integer_range', 'overlap', 'StructuredOutputs', 'check_choice', 'canonical_schema',
-           'checked', 'spec_pattern', 'compile_structured', 'ConstraintState', 'greedy_structured']
+           'checked', 'spec_pattern', 'compile_structured', 'UnsatisfiableRequest', 'continuable', 'ConstraintState',
+           'greedy_structured']
 
 # %% ../chapters/06c_structured_output.ipynb #st000004
 import json, math, reprlib, threading
@@ -894,6 +895,18 @@ def compile_structured(spec: StructuredOutputs, tokenizer: Tokenizer, eos_token_
     return _compile(spec, tokenizer, tuple(sorted({int(i) for i in eos_token_ids})), int(vocab_size))
 
 # %% ../chapters/06c_structured_output.ipynb #st000068
+class UnsatisfiableRequest(ValueError):
+    """What a request asked turned out, while it ran, to be impossible for this model: its structured output reached text
+    that no token of the vocabulary continues. The request fails alone, and a server answers it as the client's error
+    (a 400), not as its own (a 500)."""
+
+def continuable(mask: np.ndarray) -> np.ndarray:
+    "`mask` (packed allowed tokens) if it allows a token; else UnsatisfiableRequest: the pattern needs a byte no token holds."
+    if not mask.any():
+        raise UnsatisfiableRequest("structured output: no token of this model's vocabulary continues the text so far "
+                                   "(the pattern needs a byte that no token holds)")
+    return mask
+
 class ConstraintState:
     "Where one sequence's output stands in a TokenConstraint."
     def __init__(self, constraint: TokenConstraint): self.constraint, self.state = constraint, constraint.start

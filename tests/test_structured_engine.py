@@ -151,7 +151,22 @@ def assert_a_dead_end_is_the_clients_error(u: str):
     assert s.status_code == 200 and events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert (error["code"], error["type"]) == (400, "invalid_request_error") and "no token of this model" in error["message"]
-    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) in ("", "a")  # what came before the dead end
+    sent = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])  # the "a" before the dead end, unless the
+    assert sent in ("", "a")  # error replaced its output unread
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_token_before_a_dead_end_is_kept_and_may_finish_the_request(async_scheduling):
+    """One step ahead, the empty mask after "a" is found before the "a" itself is recorded: that token is still kept, and
+    a stop string or max_tokens it meets ends the request as one step at a time does, with no error."""
+    llm = LLM(max_model_len=128, num_kv_blocks=16, device="cpu", async_scheduling=async_scheduling)
+    dead_end = dict(temperature=0, structured_outputs=StructuredOutputs(regex="a\x04"))
+    failed, stopped, done = llm.generate([PROMPTS[0]] * 3, [SamplingParams(max_tokens=5, **dead_end),
+                                         SamplingParams(max_tokens=5, stop=["a"], **dead_end),
+                                         SamplingParams(max_tokens=1, **dead_end)], use_tqdm=False)
+    assert (failed.text, failed.finish_reason) == ("a", "abort") and failed.error.startswith("UnsatisfiableRequest: "), failed
+    assert (stopped.text, stopped.finish_reason, stopped.error) == ("", "stop", None)
+    assert (done.text, done.finish_reason, done.error) == ("a", "length", None)
 
 
 def test_a_pattern_that_dead_ends_after_its_first_token_is_the_clients_error(url):
