@@ -3,6 +3,7 @@ bfloat16, for the KV shapes of Llama-3.2-1B and Qwen3-0.6B, with the outputs' la
 engine's KV blocks and output rate with each cache (random weights). Prints JSON.
 
     python benchmarks/kv_cache_fp8.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
+    python benchmarks/kv_cache_fp8.py --tiles      # the 8-bit cache's decode time with each tile of TILES
 """
 import argparse, datetime, gc, json, platform, sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine_rates import engine_rates  # benchmarks/, this script's folder
-from paged_attention import MODELS, bench_graphed, copy_bandwidth_gbs, free_bytes, git_commit, paged_inputs
+from paged_attention import MODELS, bench_graphed, copy_bandwidth_gbs, forced_decode, free_bytes, git_commit, paged_inputs
 import nanoserve.kernels as kernels
 from nanoserve.kernels import FP8, decode_attention_bytes, paged_decode_attention
 
@@ -33,6 +34,30 @@ def decode_pair(model: str, B: int, S: int) -> dict:
             "max_abs_diff": (out8.float() - out16.float()).abs().max().item(), "max_abs_out": out16.float().abs().max().item()}
 
 
+TILES = [(128, 4, 3), (64, 2, 3), (128, 8, 3), (256, 4, 3), (256, 8, 3), (128, 4, 5), (256, 8, 1)]  # (BLOCK_N, warps, stages)
+
+
+def fp8_tiles(model: str, B: int, S: int) -> dict:
+    "The decode kernel over an 8-bit cache with each tile of TILES forced (the library's splits), and over bfloat16 as chosen."
+    H, K, D = MODELS[model]
+    q, k16, v16, bt, lens = paged_inputs(B, S, H, K, D, 16)
+    k8, v8, out, scale = k16.to(FP8), v16.to(FP8), torch.empty_like(q), D**-0.5
+    row = dict(model=model, batch=B, context=S, splits=kernels.decode_num_splits(q, k16, bt), fp8_us={}, failed={})
+    row["bf16_us"] = 1e3 * bench_graphed(lambda: paged_decode_attention(q, k16, v16, bt, lens, scale, out=out))["ms"]
+    ref = paged_decode_attention(q, k8, v8, bt, lens, scale).float()
+    for tile in [None] + TILES:
+        name = "table" if tile is None else "/".join(map(str, tile))
+        try:
+            with forced_decode(tile):
+                fn = lambda: paged_decode_attention(q, k8, v8, bt, lens, scale, out=out)
+                fn()
+                assert (out.float() - ref).abs().max().item() < 0.02, "output differs from the table tile's"
+                row["fp8_us"][name] = 1e3 * bench_graphed(fn)["ms"]
+        except Exception as e:  # a tile that does not fit is reported, not fatal
+            row["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return row
+
+
 def engine(model: str) -> dict:
     "The engine on `model` with each cache: its KV blocks and its output rate on requests of 2048 + 256 tokens."
     runs = {}
@@ -47,7 +72,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--engine", help="also run the engine on this model config (random weights) with each cache")
+    p.add_argument("--tiles", action="store_true", help="only time the 8-bit cache with each decode tile of TILES")
     args = p.parse_args(argv)
+    if args.tiles:
+        res = {"benchmark": "kv_cache_fp8 --tiles", "device": torch.cuda.get_device_name(), **git_commit(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each; microseconds",
+               "rows": [fp8_tiles(m, B, S) for m in MODELS for B, S in SHAPES + [(64, 512), (256, 512)]]}
+        text = json.dumps(res, indent=1)
+        print(text)
+        if args.out: args.out.write_text(text + "\n")
+        return
     device = torch.device("cuda")
     res = {"benchmark": "kv_cache_fp8", "device": torch.cuda.get_device_name(device),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **git_commit(),
