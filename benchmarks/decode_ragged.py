@@ -53,6 +53,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--one-wave", action="store_true", help="nanoserve.kernels.DECODE_ONE_WAVE = True")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: the pools in float8_e4m3fn (chapter 9c)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     if args.one_wave: kernels.DECODE_ONE_WAVE = True
@@ -61,10 +62,11 @@ def main(argv=None):
     for model, B in itertools.product(pa.MODELS, BATCHES):
         H, K, D = pa.MODELS[model]
         q, kc, vc, bt, lens = ragged_batch(B, H, K, D, seed=B)
+        if args.kv_cache_dtype == "fp8": kc, vc = kc.to(kernels.FP8), vc.to(kernels.FP8)
         out, splits = torch.empty_like(q), kernels.decode_num_splits(q, kc, bt)
         fn = lambda: paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, out=out)
         row = dict(model=model, batch=B, num_splits=splits, max_context=int(lens.max()),
-                   table_tile=list(table_tile(K * B * splits / num_sms, D)), us={}, max_abs_diff={})
+                   table_tile=list(table_tile(K * B * splits / num_sms, D, kc.dtype)), us={}, max_abs_diff={})
         fn(); torch.cuda.synchronize()
         ref = out.clone()
         for tile in [None] + TILES + EXTRA_TILES[D]:
@@ -83,7 +85,7 @@ def main(argv=None):
     res = {"benchmark": "decode_ragged", "device": {"name": torch.cuda.get_device_name(0), "sms": prop.multi_processor_count},
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
-           "settings": {"dtype": "bfloat16", "block_size": 16, "one_wave": kernels.DECODE_ONE_WAVE, "contexts": list(CONTEXTS), "table_width": TABLE_WIDTH,
+           "settings": {"dtype": "bfloat16", "kv_cache_dtype": args.kv_cache_dtype, "block_size": 16, "one_wave": kernels.DECODE_ONE_WAVE, "contexts": list(CONTEXTS), "table_width": TABLE_WIDTH,
                         "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each"},
            "rows": rows}
     pa.emit(res, args.out)

@@ -29,7 +29,9 @@ def decode_pair(model: str, B: int, S: int) -> dict:
     t16 = bench_graphed(lambda: paged_decode_attention(q, k16, v16, bt, lens, scale, out=out16))
     t8 = bench_graphed(lambda: paged_decode_attention(q, k8, v8, bt, lens, scale, out=out8))
     bytes16, bytes8 = decode_attention_bytes(B, S, H, K, D), decode_attention_bytes(B, S, H, K, D, FP8) + 2 * B * H * D  # q, out: bf16
-    return {**row, "splits": kernels.decode_num_splits(q, k16, bt), "bf16_ms": t16["ms"], "fp8_ms": t8["ms"],
+    splits = kernels.decode_num_splits(q, k16, bt)
+    tiles = {name: kernels.decode_tile(K * B * splits / kernels._num_sms(q.device), D, dtype) for name, dtype in (("bf16", k16.dtype), ("fp8", FP8))}
+    return {**row, "splits": splits, "tiles": tiles, "bf16_ms": t16["ms"], "fp8_ms": t8["ms"],
             "speedup": t16["ms"] / t8["ms"], "bf16_gbs": bytes16 / t16["ms"] / 1e6, "fp8_gbs": bytes8 / t8["ms"] / 1e6,
             "max_abs_diff": (out8.float() - out16.float()).abs().max().item(), "max_abs_out": out16.float().abs().max().item()}
 
@@ -59,11 +61,15 @@ def fp8_tiles(model: str, B: int, S: int) -> dict:
 
 
 def engine(model: str) -> dict:
-    "The engine on `model` with each cache: its KV blocks and its output rate on requests of 2048 + 256 tokens."
-    runs = {}
-    for name in ("auto", "fp8", "auto_again", "fp8_again"):
-        runs[name] = engine_rates(model, {"greedy": dict(temperature=0)}, num_requests=256, prompt_len=2048, output_len=256,
-                                  kv_cache_dtype=name.removesuffix("_again"))
+    """The engine on `model` with each cache: its KV blocks and its output rate on requests of 2048 + 256 tokens; the
+    8-bit cache also with the 16-bit cache's decode tiles (DECODE_TILES_FP8 = DECODE_TILES), the runs alternated."""
+    runs, own = {}, kernels.DECODE_TILES_FP8
+    for name in ("auto", "fp8", "fp8, 16-bit tiles", "auto_again", "fp8_again", "fp8, 16-bit tiles_again"):
+        kernels.DECODE_TILES_FP8 = kernels.DECODE_TILES if "16-bit tiles" in name else own
+        try:
+            runs[name] = engine_rates(model, {"greedy": dict(temperature=0)}, num_requests=256, prompt_len=2048, output_len=256,
+                                      kv_cache_dtype="fp8" if name.startswith("fp8") else "auto")
+        finally: kernels.DECODE_TILES_FP8 = own
         gc.collect(); torch.cuda.empty_cache()
     return runs
 

@@ -85,7 +85,7 @@ def forced_decode(tile: tuple | None = None, max_splits: int | None = None):
     "nanoserve.kernels' decode tile forced to `tile` and its split cap to `max_splits` (None: the library's), then restored."
     saved = kernels.decode_tile, kernels.DECODE_MAX_SPLITS
     try:
-        if tile is not None: kernels.decode_tile = lambda programs_per_sm, head_dim: tile
+        if tile is not None: kernels.decode_tile = lambda programs_per_sm, head_dim, cache_dtype=None: tile
         if max_splits is not None: kernels.DECODE_MAX_SPLITS = max_splits
         yield
     finally:
@@ -316,7 +316,7 @@ def main(argv=None):
         if getattr(args, flag) is not None: setattr(kernels, const, getattr(args, flag))
     if args.one_wave: kernels.DECODE_ONE_WAVE = True
     if args.decode_tile:
-        kernels.decode_tile = lambda programs_per_sm, head_dim: tuple(args.decode_tile)
+        kernels.decode_tile = lambda programs_per_sm, head_dim, cache_dtype=None: tuple(args.decode_tile)
     prop = torch.cuda.get_device_properties(0)
     res = {
         "benchmark": "paged_attention",

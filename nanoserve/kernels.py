@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_MIN_SPLIT_TOKENS', 'DECODE_MAX_SPLITS',
            'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'FP8', 'QUERY_DTYPES',
-           'CACHE_DTYPES', 'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv', 'choose_num_splits',
-           'decode_tile', 'resident_programs', 'decode_num_splits', 'paged_decode_attention', 'paged_prefill_attention',
-           'TritonPagedAttention']
+           'CACHE_DTYPES', 'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv',
+           'choose_num_splits', 'decode_tile', 'resident_programs', 'decode_num_splits', 'paged_decode_attention',
+           'paged_prefill_attention', 'TritonPagedAttention']
 
 # %% ../chapters/09_paged_attention.ipynb #ea379e57
 import math, os
@@ -72,6 +72,8 @@ PREFILL_NUM_STAGES = 2
 FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = QUERY_DTYPES + (FP8,)
+DECODE_TILES_FP8 = (*DECODE_TILES[:-1],  # an 8-bit cache: 64 keys and 2 warps for large grids too (chapter 9c)
+                    (math.inf, {64: (64, 2, 3), 128: (64, 2, 3)}))
 
 def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernels compute in float16: bfloat16 queries over an 8-bit cache, whose values widen to float16 in one
@@ -321,9 +323,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
     useful = triton.cdiv(max_context_len, DECODE_MIN_SPLIT_TOKENS)
     return max(1, min(want, useful, DECODE_MAX_SPLITS))
 
-def decode_tile(programs_per_sm: float, head_dim: int) -> tuple:
-    "(BLOCK_N, num_warps, num_stages) of the decode kernel for a grid of this many programs per SM, from DECODE_TILES."
-    tiles = next((t for bound, t in DECODE_TILES if programs_per_sm <= bound), DECODE_TILES[-1][1])
+def decode_tile(programs_per_sm: float, head_dim: int, cache_dtype: torch.dtype | None = None) -> tuple:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel for a grid of this many programs per SM, from DECODE_TILES
+    (DECODE_TILES_FP8 for an 8-bit cache)."""
+    table = DECODE_TILES_FP8 if cache_dtype == FP8 else DECODE_TILES
+    tiles = next((t for bound, t in table if programs_per_sm <= bound), table[-1][1])
     fits = [d for d in sorted(tiles) if head_dim <= d]
     if fits: return tiles[fits[0]]
     block_n, warps, stages = tiles[max(tiles)]  # wider heads than the table's: as many bytes per tile, fewer keys
@@ -354,7 +358,7 @@ def _decode_options(q, k_cache, num_splits: int, window: int | None) -> dict:
     "The decode kernel's compile-time constants and launch options for these inputs."
     _, block_size, K, D = k_cache.shape
     B, H, _ = q.shape
-    block_n, num_warps, num_stages = decode_tile(K * B * num_splits / _num_sms(q.device), D)
+    block_n, num_warps, num_stages = decode_tile(K * B * num_splits / _num_sms(q.device), D, k_cache.dtype)
     pdl = _pdl(q.device)
     return dict(H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=triton.next_power_of_2(D),
                 BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),

@@ -169,7 +169,7 @@ def test_kernels_with_blocks_larger_than_their_tiles(monkeypatch):
     monkeypatch.setattr(kernels, "_prefill_kernel", prefill_spy)
     monkeypatch.setattr(kernels, "_decode_kernel", decode_spy)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
-    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim: (16, 2, 2))
+    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None: (16, 2, 2))
     torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.float32])
     for n in (1, 3):
         torch.testing.assert_close(decode(*dec[:5], num_splits=n), reference(*dec), **TOL[torch.float32])
@@ -440,25 +440,30 @@ def test_decode_tile_follows_the_table():
     assert kernels.decode_tile(1.0, 80) == kernels.decode_tile(1.0, 128)  # a head dim between two columns takes the wider
     assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
     assert kernels.decode_tile(4.0, 256) == (32, 2, 3)
+    # an 8-bit cache: 64 keys and 2 warps for large grids too; the same tiles as 16 bits below that
+    assert kernels.decode_tile(256 * 8 / 132, 64, kernels.FP8) == kernels.decode_tile(256 * 8 / 132, 128, kernels.FP8) == (64, 2, 3)
+    assert all(kernels.decode_tile(p, d, kernels.FP8) == kernels.decode_tile(p, d) for p in (0.5, 1.0, 3.0, 5.0) for d in (64, 128))
+    assert kernels.decode_tile(256 * 8 / 132, 64, torch.bfloat16) == (128, 4, 3)
 
 
 def test_decode_launches_the_tile_decode_tile_picks(monkeypatch):
     lens = [1, 17, 100, 300, 40]
     args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=6)
     asked = []
-    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim: asked.append((programs_per_sm, head_dim)) or (32, 2, 3))
+    monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None:
+                        asked.append((programs_per_sm, head_dim, cache_dtype)) or (32, 2, 3))
     spy = LaunchSpy(kernels._decode_kernel)
     monkeypatch.setattr(kernels, "_decode_kernel", spy)
     out = decode(*args[:5], num_splits=3)
     torch.testing.assert_close(out, reference(*args), **TOL[torch.float32])
     (grid, kw), = spy.launches
-    assert asked == [(2 * 5 * 3 / kernels._num_sms(out.device), 64)]  # KV heads x sequences x splits per SM
+    assert asked == [(2 * 5 * 3 / kernels._num_sms(out.device), 64, torch.float32)]  # KV heads x sequences x splits per SM
     assert grid == (2, 5, 3) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 2, 3)
 
 
 def table_tiles() -> list:
-    "Every distinct tile of DECODE_TILES."
-    return sorted({t for _, by_dim in kernels.DECODE_TILES for t in by_dim.values()})
+    "Every distinct tile of DECODE_TILES and DECODE_TILES_FP8."
+    return sorted({t for table in (kernels.DECODE_TILES, kernels.DECODE_TILES_FP8) for _, by_dim in table for t in by_dim.values()})
 
 
 def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
@@ -466,7 +471,7 @@ def test_decode_every_tile_of_the_table_matches_reference(monkeypatch):
     args = paged_batch(lens, [1] * len(lens), 8, 2, 64, 16, seed=5)
     ref = reference(*args)
     for tile in table_tiles():
-        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
+        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None, tile=tile: tile)
         for n in (1, 3):
             torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.float32], msg=f"tile {tile} splits {n}")
 
@@ -575,7 +580,7 @@ def test_gpu_decode_every_tile_of_the_table(shape, monkeypatch):
     args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=12)
     ref = reference(*args)
     for tile in table_tiles():
-        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, tile=tile: tile)
+        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None, tile=tile: tile)
         for n in (1, 5):
             torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.bfloat16], msg=f"tile {tile} splits {n}")
 
@@ -733,3 +738,18 @@ def test_gpu_an_8_bit_cache_at_real_shapes(shape):
     for n in (None, 1, 8): torch.testing.assert_close(decode(*dec[:5], num_splits=n), ref, **TOL[torch.bfloat16])
     pre = fp8_batch(lens[:6], [1, 15, 16, 17, 300, 512], H, K, D, torch.bfloat16, seed=13)
     torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_an_8_bit_cache_with_every_tile_of_the_tables(shape, monkeypatch):
+    "Each tile of DECODE_TILES and DECODE_TILES_FP8, split or not, reads an 8-bit cache as the reference does."
+    H, K, D = SHAPES[shape]
+    lens = [1, 16, 17, 511, 513, 4097, 77, 2500]
+    dec = fp8_batch(lens, [1] * len(lens), H, K, D, torch.bfloat16, seed=14)
+    ref = reference(*dec)
+    for tile in table_tiles():
+        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None, tile=tile: tile)
+        for n in (1, 5):
+            torch.testing.assert_close(decode(*dec[:5], num_splits=n), ref, **TOL[torch.bfloat16], msg=f"tile {tile} splits {n}")
