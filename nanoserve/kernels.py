@@ -72,8 +72,8 @@ PREFILL_NUM_STAGES = 2
 FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = QUERY_DTYPES + (FP8,)
-DECODE_TILES_FP8 = (*DECODE_TILES[:-1],  # an 8-bit cache: 64 keys and 2 warps for large grids too (chapter 9c)
-                    (math.inf, {64: (64, 2, 3), 128: (64, 2, 3)}))
+DECODE_TILES_FP8 = (*DECODE_TILES[:-1],  # an 8-bit cache: heads of 128 keep 64 keys and 2 warps on large grids (chapter 9c)
+                    (math.inf, {64: (128, 4, 3), 128: (64, 2, 3)}))
 
 def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernels compute in float16: bfloat16 queries over an 8-bit cache, whose values widen to float16 in one

@@ -440,8 +440,9 @@ def test_decode_tile_follows_the_table():
     assert kernels.decode_tile(1.0, 80) == kernels.decode_tile(1.0, 128)  # a head dim between two columns takes the wider
     assert kernels.decode_tile(0.1, 256) == (64, 4, 1)  # wider than the table: as many bytes per tile, fewer keys
     assert kernels.decode_tile(4.0, 256) == (32, 2, 3)
-    # an 8-bit cache: 64 keys and 2 warps for large grids too; the same tiles as 16 bits below that
-    assert kernels.decode_tile(256 * 8 / 132, 64, kernels.FP8) == kernels.decode_tile(256 * 8 / 132, 128, kernels.FP8) == (64, 2, 3)
+    # an 8-bit cache: heads of 128 keep 64 keys and 2 warps on large grids; otherwise the tiles of 16 bits
+    assert kernels.decode_tile(256 * 8 / 132, 128, kernels.FP8) == (64, 2, 3)
+    assert kernels.decode_tile(256 * 8 / 132, 64, kernels.FP8) == (128, 4, 3)
     assert all(kernels.decode_tile(p, d, kernels.FP8) == kernels.decode_tile(p, d) for p in (0.5, 1.0, 3.0, 5.0) for d in (64, 128))
     assert kernels.decode_tile(256 * 8 / 132, 64, torch.bfloat16) == (128, 4, 3)
 
