@@ -2,7 +2,8 @@
 against SDPA's causal attention on the same data laid out contiguously; print JSON (--out: also write it).
 
 The shapes are benchmarks/paged_attention.py's fresh prompts (PREFILL), for the KV shapes of Llama-3.2-1B and
-Qwen3-0.6B, and chunks as chunked prefill runs them: CHUNKS new tokens after a cached context. Every tile's output is
+Qwen3-0.6B, and chunks as chunked prefill runs them: CHUNKS new tokens after a cached context. Some tiles are also
+timed with PREFILL_LONGEST_FIRST (each prompt's last query tiles, which see the most keys, launched first). Every output is
 compared with the library tile's (PREFILL_* as committed, checked against the reference by tests/test_kernels.py on
 the GPU) on the same inputs, so a tile that computes something else is reported, not timed. Times are the median of
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py.
@@ -21,9 +22,11 @@ import paged_attention as pa  # noqa: E402  (its timer, models, inputs and commi
 import nanoserve.kernels as kernels  # noqa: E402
 from nanoserve.kernels import paged_prefill_attention  # noqa: E402
 
-CONSTANTS = ("PREFILL_BLOCK_M", "PREFILL_BLOCK_N", "PREFILL_NUM_WARPS", "PREFILL_NUM_STAGES")
+CONSTANTS = ("PREFILL_BLOCK_M", "PREFILL_BLOCK_N", "PREFILL_NUM_WARPS", "PREFILL_NUM_STAGES", "PREFILL_LONGEST_FIRST")
 TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2),
          (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
+LONGEST_FIRST = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]  # also timed with that launch order
+VARIANTS = [t + (False,) for t in TILES] + [t + (True,) for t in LONGEST_FIRST]
 CHUNKS = ((8, 512, 2048), (4, 2048, 8192))  # (B, new tokens, context including them)
 
 
@@ -49,8 +52,8 @@ def row(model: str, B: int, T: int, S: int) -> dict:
     ref = out.float().clone()
     flops = 4 * B * H * D * T * (2 * S - T + 1) / 2  # causal: query i sees S - T + i + 1 keys
     res = dict(model=model, batch=B, new_tokens=T, context=S, us={}, tflops={}, max_abs_diff={}, failed={})
-    for tile in TILES:
-        name = "/".join(map(str, tile))
+    for tile in VARIANTS:
+        name = "/".join(map(str, tile[:4])) + " longest first" * tile[4]
         try:
             with_tile(tile, run)
             res["max_abs_diff"][name] = (out.float() - ref).abs().max().item()
@@ -79,7 +82,7 @@ def main(argv=None):
     res = {"benchmark": "prefill_tiles", "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "triton": triton.__version__},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
-           "library_tile": [getattr(kernels, c) for c in CONSTANTS],
+           "library_tile": [getattr(kernels, c) for c in CONSTANTS[:4]], "library_longest_first": kernels.PREFILL_LONGEST_FIRST,
            "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each; microseconds",
            "rows": [row(m, B, T, S) for m, (B, T, S) in itertools.product(pa.MODELS, shapes)]}
     pa.emit(res, args.out)

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_MIN_SPLIT_TOKENS', 'DECODE_MAX_SPLITS',
-           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'FP8', 'QUERY_DTYPES',
-           'CACHE_DTYPES', 'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv',
-           'choose_num_splits', 'decode_tile', 'resident_programs', 'decode_num_splits', 'paged_decode_attention',
-           'paged_prefill_attention', 'TritonPagedAttention']
+           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'PREFILL_LONGEST_FIRST',
+           'FP8', 'QUERY_DTYPES', 'CACHE_DTYPES', 'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes',
+           'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile', 'resident_programs', 'decode_num_splits',
+           'paged_decode_attention', 'paged_prefill_attention', 'TritonPagedAttention']
 
 # %% ../chapters/09_paged_attention.ipynb #ea379e57
 import math, os
@@ -67,6 +67,7 @@ PREFILL_BLOCK_M = 64  # queries per prefill program
 PREFILL_BLOCK_N = 64  # keys per loop iteration of prefill
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
+PREFILL_LONGEST_FIRST = False  # launch each prompt's last query tiles, which see the most keys, first
 
 # %% ../chapters/09_paged_attention.ipynb #54baa49f
 FP8 = torch.float8_e4m3fn  # an 8-bit cache (chapter 9c): stored from, and read back into, the queries' type
@@ -447,8 +448,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, window,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False):
+                    WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False):
     tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LONGEST_FIRST:  # programs start in the order of their ids: the tiles with the most keys first, the shortest last
+        tile = tl.num_programs(0) - 1 - tile
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:  # past this prompt's end
@@ -531,7 +534,8 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), window or 0,
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache))
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache),
+        LONGEST_FIRST=PREFILL_LONGEST_FIRST)
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #4920fc9b

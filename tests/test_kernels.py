@@ -234,6 +234,18 @@ def test_window_must_be_a_positive_int():
         with pytest.raises(ValueError, match="window="): reference(*args, window=window)
 
 
+def test_prefill_longest_first_computes_the_same(monkeypatch):
+    "PREFILL_LONGEST_FIRST only reorders the programs: each writes its rows as before, bit for bit, windowed too."
+    lens, q_lens = [16, 200, 100, 150, 90, 40], [16, 200, 30, 130, 1, 0]  # several query tiles, fewer, one, none
+    args = paged_batch(lens, q_lens, 4, 2, 64, 16, seed=24)
+    for window in (None, 17):
+        monkeypatch.setattr(kernels, "PREFILL_LONGEST_FIRST", False)
+        in_order = prefill(*args, window=window)
+        monkeypatch.setattr(kernels, "PREFILL_LONGEST_FIRST", True)
+        assert torch.equal(prefill(*args, window=window), in_order)
+    torch.testing.assert_close(in_order, reference(*args, window=17), **TOL[torch.float32])
+
+
 def test_prefill_max_seqlen_q_given_or_read():
     args = paged_batch([40, 70], [40, 66], 4, 2, 64, 16, seed=3)
     torch.testing.assert_close(prefill(*args, max_seqlen_q=66), prefill(*args))
@@ -595,6 +607,12 @@ def test_gpu_prefill_real_shapes(shape, block_size):
     lens, q_lens = [1000, 1000, 2000, 129, 64, 700], [1000, 700, 1, 129, 64, 3]
     args = paged_batch(lens, q_lens, H, K, D, block_size, torch.bfloat16, seed=12)
     torch.testing.assert_close(prefill(*args), reference(*args), **TOL[torch.bfloat16])
+    outs = {}
+    for longest_first in (False, True):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kernels, "PREFILL_LONGEST_FIRST", longest_first)
+            outs[longest_first] = prefill(*args)
+    assert torch.equal(outs[False], outs[True])  # only the order in which the programs start differs
 
 
 @pytest.mark.gpu
