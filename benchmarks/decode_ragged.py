@@ -7,7 +7,8 @@ wide. With one program per (KV head, sequence, split), the longest context's pro
 kernel's time, which favours larger tiles than a uniform batch does. This script builds such batches (contexts
 uniform in [100, 2048], blocks scattered at random over a pool in the engine's layout, tables 128 wide, splits
 from decode_num_splits) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
-tile of TILES forced for every shape; every output is compared with the table's. Times are the median of
+tile of TILES forced for every shape; every output is compared with the table's (DECODE_TILES, or DECODE_TILES_FP8
+with --kv-cache-dtype fp8, which stores the pools in 8 bits). Times are the median of
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py. There is no SDPA
 column: SDPA needs one length per batch, and padding to the longest would charge it for work the paged kernel skips.
 

@@ -336,11 +336,12 @@ def _allowed(self: LLMEngine, reqs: list, running: LaunchedStep | None) -> list:
     """Per sampled row, the tokens its structured output allows now, as packed bits (chapter 6c), or None. A token still on its way from
     the step before decides the mask, so this waits for that step: with async scheduling, constrained rows cost the overlap."""
     rows = running.rows if running is not None else {}
-    in_flight = running.result().token_ids.tolist() if any(r.constraint and r.seq in rows for r in reqs) else None
+    masked = [r.constraint is not None and r.constraint_error is None for r in reqs]  # a request that has failed samples freely
+    in_flight = running.result().token_ids.tolist() if any(m and r.seq in rows for m, r in zip(masked, reqs)) else None
     masks = []
-    for req in reqs:
+    for req, m in zip(reqs, masked):
         c, mask = req.constraint, None
-        if c is not None:
+        if m:
             token = in_flight[rows[req.seq]] if req.seq in rows else None
             try: mask = continuable(c.constraint.allowed_bits(c.state if token is None else c.constraint.advance(c.state, token)))
             except ValueError as e:  # an empty mask (UnsatisfiableRequest), or a bug: this request fails, alone, after the

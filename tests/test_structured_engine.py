@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine import LLMEngine
 from nanoserve.generate import generate
 from nanoserve.loader import DEFAULT_MODEL, load_model
 from nanoserve.server import make_server, run_in_thread
@@ -167,6 +168,20 @@ def test_the_token_before_a_dead_end_is_kept_and_may_finish_the_request(async_sc
     assert (failed.text, failed.finish_reason) == ("a", "abort") and failed.error.startswith("UnsatisfiableRequest: "), failed
     assert (stopped.text, stopped.finish_reason, stopped.error) == ("", "stop", None)
     assert (done.text, done.finish_reason, done.error) == ("a", "length", None)
+
+
+def test_a_dead_end_found_while_no_token_is_in_flight_stays_the_clients_error():
+    """One step ahead, a request that sat out a step (B's prefill ran alone) finds its dead end with no token in flight.
+    The token it then samples without a mask is in flight when the next masks are made: that must not replace the
+    request's UnsatisfiableRequest with the ValueError of a forbidden token (a 500, read as a bug)."""
+    engine = LLMEngine(None, max_model_len=128, num_kv_blocks=16, device="cpu", async_scheduling=True)
+    params = lambda: SamplingParams(max_tokens=5, temperature=0, structured_outputs=StructuredOutputs(regex="a\x04"))
+    engine.add_request("A", PROMPTS[0], params())
+    finished = {o.request_id: o for o in engine.step() if o.finished}
+    engine.add_request("B", PROMPTS[0], params())
+    while engine.has_unfinished(): finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for out in finished.values():
+        assert (out.text, out.finish_reason) == ("a", "abort") and out.error.startswith("UnsatisfiableRequest: "), out
 
 
 def test_a_pattern_that_dead_ends_after_its_first_token_is_the_clients_error(url):
