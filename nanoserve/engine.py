@@ -22,7 +22,7 @@ from .model_runner import EngineConfig, LaunchedStep, ModelRunner
 from .prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from .sampling import SamplingParams, check_stop, choice_seed, generation_defaults, generation_overrides, make_generator, stop_tokens
 from .scheduler import Scheduler, SchedulerOutput, Sequence
-from .structured import ConstraintState, UnsatisfiableRequest, compile_structured, continuable
+from .structured import ConstraintState, compile_structured, continuable
 from .tokenizer import IncrementalDetokenizer, Tokenizer, content_text, generation_eos_token_ids, load_tokenizer, read_json, template_options
 from .tool_calls import check_tools, template_message
 
