@@ -587,10 +587,13 @@ def test_gpu_one_wave_reads_the_compiled_kernel(shape, monkeypatch):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gpu_decode_every_tile_of_the_table(shape, monkeypatch):
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_gpu_decode_every_tile_of_the_table(shape, eight_bit, monkeypatch):
+    "Each tile of DECODE_TILES and DECODE_TILES_FP8, split or not, over a bf16 cache and over an 8-bit one (chapter 9c)."
     H, K, D = SHAPES[shape]
     lens = [1, 16, 17, 511, 513, 4097, 77, 2500]
-    args = paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=12)
+    args = (fp8_batch(lens, [1] * len(lens), H, K, D, torch.bfloat16, seed=14) if eight_bit
+            else paged_batch(lens, [1] * len(lens), H, K, D, 16, torch.bfloat16, seed=12))
     ref = reference(*args)
     for tile in table_tiles():
         monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None, tile=tile: tile)
@@ -758,17 +761,3 @@ def test_gpu_an_8_bit_cache_at_real_shapes(shape):
     pre = fp8_batch(lens[:6], [1, 15, 16, 17, 300, 512], H, K, D, torch.bfloat16, seed=13)
     torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])
 
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gpu_an_8_bit_cache_with_every_tile_of_the_tables(shape, monkeypatch):
-    "Each tile of DECODE_TILES and DECODE_TILES_FP8, split or not, reads an 8-bit cache as the reference does."
-    H, K, D = SHAPES[shape]
-    lens = [1, 16, 17, 511, 513, 4097, 77, 2500]
-    dec = fp8_batch(lens, [1] * len(lens), H, K, D, torch.bfloat16, seed=14)
-    ref = reference(*dec)
-    for tile in table_tiles():
-        monkeypatch.setattr(kernels, "decode_tile", lambda programs_per_sm, head_dim, cache_dtype=None, tile=tile: tile)
-        for n in (1, 5):
-            torch.testing.assert_close(decode(*dec[:5], num_splits=n), ref, **TOL[torch.bfloat16], msg=f"tile {tile} splits {n}")
