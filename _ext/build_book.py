@@ -13,12 +13,20 @@ in the way, and this file moves both:
   the method that numbers sections, which runs in the main process after every document is read and merged;
   sphinx_jupyterbook_latex adds nodes and transforms that each change only their own document's tree.
 An extension that declares itself unsafe keeps its word: Sphinx then warns and reads serially, and `-W` fails.
+
+Parallel readers start kernels at the same moment, and jupyter_client picks each kernel's ports by asking the system
+for free ones, which it then releases for the kernel to bind. Two kernels started together can be handed the same
+port: the second to bind it dies ("Kernel died before replying to kernel_info"), and the book failed with it (CI,
+2026-11-29). Every build here starts kernels through nbclient with a fresh kernel, with new ports, on that error.
 """
 import functools, sys
 
 import jupyter_book.cli.main
 import jupyter_book.sphinx
+import nbclient.client
 import sphinx_jupyterbook_latex, sphinx_multitoc_numbering
+
+KERNEL_START_ATTEMPTS = 3
 
 
 def declared_parallel_safe(setup):
@@ -26,6 +34,21 @@ def declared_parallel_safe(setup):
     @functools.wraps(setup)
     def wrapped(app):
         return {"parallel_read_safe": True, "parallel_write_safe": True, **(setup(app) or {})}
+    return wrapped
+
+
+def kernel_start_retried(start_client, attempts: int = KERNEL_START_ATTEMPTS):
+    """nbclient's NotebookClient.async_start_new_kernel_client, which on failure has already shut its kernel down,
+    tried again with a new kernel manager and kernel (new ports) when the kernel died before it replied."""
+    @functools.wraps(start_client)
+    async def wrapped(self):
+        for attempt in range(1, attempts + 1):
+            try: return await start_client(self)
+            except RuntimeError as e:
+                if "died before replying" not in str(e) or attempt == attempts: raise
+                print(f"build_book: a kernel died as it started ({e}); starting another, attempt {attempt + 1}", file=sys.stderr)
+                self.kc, self.km = None, self.create_kernel_manager()
+                await self.async_start_new_kernel()
     return wrapped
 
 
@@ -40,6 +63,9 @@ def parse_jobs(argv: list[str]) -> tuple:
 
 def run(argv: list[str]) -> None:
     jobs, argv = parse_jobs(argv)
+    client = nbclient.client.NotebookClient
+    if not hasattr(client.async_start_new_kernel_client, "__wrapped__"):
+        client.async_start_new_kernel_client = kernel_start_retried(client.async_start_new_kernel_client)
     if jobs is not None:
         # jupyter-book's build command imports build_sphinx when it runs, so patching the module reaches it; a
         # version that binds it at import would silently build serially

@@ -62,9 +62,10 @@ def test_build_book_declares_extensions_parallel_safe_unless_they_say_otherwise(
 
 
 def test_build_book_passes_jobs_to_sphinx_and_the_rest_to_jupyter_book(monkeypatch):
-    import build_book, jupyter_book.cli.main, jupyter_book.sphinx, sphinx_jupyterbook_latex, sphinx_multitoc_numbering
+    import build_book, jupyter_book.cli.main, jupyter_book.sphinx, nbclient.client, sphinx_jupyterbook_latex, sphinx_multitoc_numbering
     originals = {module: module.setup for module in (sphinx_multitoc_numbering, sphinx_jupyterbook_latex)}
-    for module, name in ((jupyter_book.sphinx, "build_sphinx"), *((m, "setup") for m in originals)):
+    for module, name in ((jupyter_book.sphinx, "build_sphinx"), *((m, "setup") for m in originals),
+                         (nbclient.client.NotebookClient, "async_start_new_kernel_client")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     calls = []
     monkeypatch.setattr(jupyter_book.cli.main, "main", calls.append)
@@ -84,3 +85,40 @@ def test_build_book_refuses_a_bad_jobs_count(monkeypatch, jobs, shown):
     monkeypatch.setattr(jupyter_book.cli.main, "main", lambda argv: pytest.fail("built with a bad --jobs"))
     with pytest.raises(SystemExit, match=f"^--jobs {re.escape(shown)}: expected a positive integer$"):
         build_book.run(["--jobs", *jobs])
+
+
+class FakeClient:
+    "Just enough of nbclient's NotebookClient for kernel_start_retried: kernels that die as they start, `deaths` times."
+    def __init__(self, deaths, error="Kernel died before replying to kernel_info"):
+        self.deaths, self.error, self.kc, self.km, self.kernels = deaths, error, None, None, 0
+    async def start_client(self):
+        if self.deaths:
+            self.deaths -= 1
+            raise RuntimeError(self.error)
+        self.kc = "client"
+        return self.kc
+    def create_kernel_manager(self): return "manager"
+    async def async_start_new_kernel(self): self.kernels += 1
+
+
+def test_build_book_starts_another_kernel_when_one_dies_as_it_starts(capsys):
+    import asyncio
+    from build_book import kernel_start_retried
+    start = kernel_start_retried(FakeClient.start_client, attempts=3)
+    client = FakeClient(deaths=2)  # two kernels lost their port to a neighbour's, the third starts
+    assert asyncio.run(start(client)) == "client" and client.kernels == 2 and client.km == "manager"
+    assert capsys.readouterr().err.count("a kernel died as it started") == 2
+    with pytest.raises(RuntimeError, match="died before replying"): asyncio.run(start(FakeClient(deaths=3)))  # gives up
+    other = FakeClient(deaths=1, error="No kernel is running!")  # any other failure is not retried
+    with pytest.raises(RuntimeError, match="No kernel is running"): asyncio.run(start(other))
+    assert other.kernels == 0
+
+
+def test_build_book_wraps_nbclients_kernel_start_once(monkeypatch):
+    import inspect, build_book, jupyter_book.cli.main, nbclient.client
+    original = inspect.unwrap(nbclient.client.NotebookClient.async_start_new_kernel_client)
+    monkeypatch.setattr(nbclient.client.NotebookClient, "async_start_new_kernel_client", original)  # restored after the test
+    monkeypatch.setattr(jupyter_book.cli.main, "main", lambda argv: None)
+    build_book.run(["build", "."])
+    build_book.run(["build", "."])
+    assert nbclient.client.NotebookClient.async_start_new_kernel_client.__wrapped__ is original
