@@ -122,3 +122,28 @@ def test_build_book_wraps_nbclients_kernel_start_once(monkeypatch):
     build_book.run(["build", "."])
     build_book.run(["build", "."])
     assert nbclient.client.NotebookClient.async_start_new_kernel_client.__wrapped__ is original
+
+
+def test_build_book_survives_a_kernel_that_loses_its_port(monkeypatch, tmp_path):
+    """The race itself, with a real kernel: the first kernel is given a port that another process holds, as a kernel
+    started at the same moment by the other reader would, and dies; the wrapped client starts another and executes."""
+    import socket
+    import jupyter_client.connect, nbformat, nbclient.client
+    from build_book import kernel_start_retried
+    client = nbclient.client.NotebookClient
+    monkeypatch.setattr(client, "async_start_new_kernel_client", kernel_start_retried(client.async_start_new_kernel_client))
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    asked, find = [], jupyter_client.connect.LocalPortCache.find_available_port
+    def first_port_taken(self, ip):
+        asked.append(ip)
+        return held.getsockname()[1] if len(asked) == 1 else find(self, ip)
+    monkeypatch.setattr(jupyter_client.connect.LocalPortCache, "find_available_port", first_port_taken)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    try:
+        ran = client(nb, resources={"metadata": {"path": str(tmp_path)}}, startup_timeout=60).execute()
+    finally:
+        held.close()
+    assert ran.cells[0].outputs[0]["text"] == "42\n" and len(asked) > 4  # a second kernel, with ports of its own
