@@ -17,7 +17,7 @@ An extension that declares itself unsafe keeps its word: Sphinx then warns and r
 Parallel readers start kernels at the same moment, and jupyter_client picks each kernel's ports by asking the system
 for free ones, which it then releases for the kernel to bind. Two kernels started together can be handed the same
 port: the second to bind it dies ("Kernel died before replying to kernel_info"), and the book failed with it (CI,
-2026-11-29). Every build here starts kernels through nbclient with a fresh kernel, with new ports, on that error.
+2026-11-29). So every build here wraps nbclient's kernel start: on that error it starts a new kernel, with new ports.
 """
 import functools, sys
 
