@@ -5,13 +5,13 @@ engine's KV blocks and output rate with each cache (random weights). Prints JSON
     python benchmarks/kv_cache_fp8.py [--engine benchmarks/configs/Llama-3.2-1B] [--out results.json]
     python benchmarks/kv_cache_fp8.py --tiles      # the 8-bit cache's decode time with each tile of TILES
 """
-import argparse, datetime, gc, json, platform, sys
+import argparse, datetime, gc, platform, sys
 from pathlib import Path
 
 import torch
 
 from engine_rates import engine_rates  # benchmarks/, this script's folder
-from paged_attention import MODELS, bench_graphed, copy_bandwidth_gbs, forced_decode, free_bytes, git_commit, paged_inputs
+from paged_attention import MODELS, bench_graphed, copy_bandwidth_gbs, emit, forced_decode, free_bytes, git_commit, paged_inputs
 import nanoserve.kernels as kernels
 from nanoserve.kernels import FP8, decode_attention_bytes, paged_decode_attention
 
@@ -85,10 +85,7 @@ def main(argv=None):
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed before each; microseconds",
                "rows": [fp8_tiles(m, B, S) for m in MODELS for B, S in SHAPES + [(64, 512), (256, 512)]]}
-        text = json.dumps(res, indent=1)
-        print(text)
-        if args.out: args.out.write_text(text + "\n")
-        return
+        return emit(res, args.out)
     device = torch.device("cuda")
     res = {"benchmark": "kv_cache_fp8", "device": torch.cuda.get_device_name(device),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **git_commit(),
@@ -97,9 +94,7 @@ def main(argv=None):
            "copy_bandwidth_gbs": copy_bandwidth_gbs(),
            "decode": [decode_pair(m, B, S) for m in MODELS for B, S in SHAPES]}
     if args.engine: res["engine"] = engine(args.engine)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out: args.out.write_text(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":
