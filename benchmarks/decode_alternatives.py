@@ -1,4 +1,4 @@
-"""Decode-attention designs measured against nanoserve.kernels.paged_decode_attention and SDPA; one ("plan") adopted.
+"""Three decode-attention designs measured against nanoserve.kernels.paged_decode_attention and SDPA, and not adopted.
 
 Issue 4 asks the paged decode kernel never to be slower than torch's scaled_dot_product_attention on contiguous K/V at
 batch >= 8. After the tiles, grid order and head-major blocks of chapters 9 and 13, three gaps remain: batch 8 x
@@ -24,8 +24,6 @@ _store_decode_result, the same stores moved into a shared function):
   fill         pipelines as deep as shared memory allows at the grid's residency: at batch 64 with one split, 512
                programs need 4 an SM, which leaves ~56 KB each, three 64-key tiles of a head of 64 (7 stages) instead
                of one 128-key tile; at batch 8, the same at split counts whose programs fit one wave.
-  plan         the library's splits planned on the GPU from the batch's real lengths (chapter 9, DECODE_PLANNED_SPLITS)
-               against every context split alike (the library before it), at other slacks and tiles. Adopted.
   TMA          keys and values copied by the Hopper tensor-memory accelerator: a host tensor descriptor over the
                head-major pool seen as (blocks * K * block_size, D) rows, one (block_size, D) box per block and head,
                so no thread computes a gather address; BLOCKS_PER_TILE boxes per iteration.
@@ -221,7 +219,6 @@ def merge_splits(out, part_out, part_m, part_l, num_splits, pdl):
     if num_splits > 1:
         B, H, D = out.shape
         _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
-                                      None, 0, 0, 0, 0, 0.0,  # every context in num_splits splits: no plan
                                       H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits),
                                       BLOCK_D=triton.next_power_of_2(D), PDL=pdl, launch_pdl=pdl)
     return out
@@ -271,7 +268,7 @@ def _interleaved_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_p
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, kh * stride_ch,
                              offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, UPCAST)
         acc, m_i, l_i = _guarded_step(q, k, v, n_mask[None, :], acc, m_i, l_i, qk_scale, PRECISION)
-    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits, num_splits,
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
 
@@ -336,7 +333,7 @@ def _tma_decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, lens_ptr, out_ptr, part_ou
                 v = v.to(tl.float32)
             valid = (first + offs_j < end)[None, :]
             acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION)
-    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits, num_splits,
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
 
@@ -437,13 +434,6 @@ def measure(models, cells, designs, log) -> list:
                 if splits == 1 or S // splits >= 128:
                     runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
                         _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
-        if "plan" in designs:
-            call = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
-            runs["uniform splits"] = lambda: _with_settings(call, DECODE_PLANNED_SPLITS=False)
-            for slack in PLAN_SLACKS:
-                runs[f"planned/slack {slack}"] = lambda slack=slack: _with_settings(call, DECODE_SPLIT_SLACK=slack)
-            for tile in PLAN_TILES:
-                runs[f"planned/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda tile=tile: _with_tile(tile, call)
         if "TMA" in designs:
             for tile in TMA_TILES[D]:
                 runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
@@ -487,10 +477,9 @@ def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4)
     fn = kernels._decode_kernel
     ptrs = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "bt_ptr", "lens_ptr"}
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i32",
-             "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32",
-             "slack": "fp32"}
+             "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32"}
     constexprs = dict(H=32, G=4, D=head_dim, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=False,
-                      UPCAST=False, PRECISION="tf32", PDL=False, WINDOWED=False, FP16_DOTS=False, PLANNED=False, BLOCK_B=1)
+                      UPCAST=False, PRECISION="tf32", PDL=False, WINDOWED=False, FP16_DOTS=False)
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     # as at a launch on the engine's pools: pointers and strides are multiples of 16 (stride_bt is not specialized)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -508,12 +497,6 @@ def _with_tile(tile, fn):
     "Run fn with nanoserve.kernels.decode_tile forced to `tile`."
     import paged_attention as pa
     with pa.forced_decode(tile): return fn()
-
-
-def _with_settings(fn, **settings):
-    "Run fn with nanoserve.kernels' module constants set to `settings`."
-    import paged_attention as pa
-    with pa.kernel_settings(**settings): return fn()
 
 
 STREAM_K_TILES = {64: [(128, 4, 3), (64, 2, 3)], 128: [(64, 4, 3), (64, 4, 2)]}  # the best of a wider screen
@@ -535,9 +518,7 @@ FILL_TILES = {  # (BLOCK_N, warps, stages): 7 stages hold three tiles, 5 two (--
     64: [(128, 4, 3), (64, 4, 7), (64, 2, 7), (64, 4, 5), (64, 4, 6), (128, 4, 5), (64, 4, 9)],
     128: [(128, 4, 3), (64, 2, 3), (32, 2, 7), (32, 4, 7), (64, 4, 5), (32, 4, 5), (32, 2, 9)]}
 FILL_SPLITS = {8: [4, 7, 8, 9, 12, 16], 64: [1, 2], 256: [1]}
-PLAN_SLACKS = (0.0, 0.25, 0.75)  # the library's is DECODE_SPLIT_SLACK (0.5)
-PLAN_TILES = [(128, 4, 3), (64, 2, 3)]
-DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide", "fill", "plan")
+DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide", "fill")
 BLOCK_SIZES = (32, 64, 256)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 

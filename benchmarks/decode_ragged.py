@@ -6,9 +6,8 @@ decode step holds contexts from about 100 to 2048 positions, and its block table
 wide. With one program per (KV head, sequence, split), the longest context's programs finish last and set the
 kernel's time, which favours larger tiles than a uniform batch does. This script builds such batches (contexts
 uniform in [100, 2048], blocks scattered at random over a pool in the engine's layout, tables 128 wide, splits
-as paged_decode_attention plans them) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the
-kernel with DECODE_TILES ("table"), with each tile of TILES forced for every shape, and with the PLAN_VARIANTS of the
-split plan (every context split alike, other slacks), each with the table's tile; every output is compared with the table's (DECODE_TILES, or DECODE_TILES_FP8
+from decode_num_splits) for the KV shapes of Llama-3.2-1B and Qwen3-0.6B at batch 8 to 256, and times the kernel with DECODE_TILES ("table") and with each
+tile of TILES forced for every shape; every output is compared with the table's (DECODE_TILES, or DECODE_TILES_FP8
 with --kv-cache-dtype fp8, which stores the pools in 8 bits). Times are the median of
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py. There is no SDPA
 column: SDPA needs one length per batch, and padding to the longest would charge it for work the paged kernel skips.
@@ -33,9 +32,6 @@ TABLE_WIDTH = 128  # blocks: max_model_len 2048 of the throughput benchmark
 TILES = [(64, 4, 2), (16, 2, 2), (16, 2, 3), (32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 4, 1)]
 EXTRA_TILES = {64: [(256, 4, 3), (256, 8, 3), (64, 4, 7), (64, 4, 5)],  # heads of 64: 256 keys, as many bytes per tile as
                128: [(32, 4, 7), (32, 2, 7)]}  # 128 keys of 128; deeper pipelines: three tiles in flight with 7 stages
-
-PLAN_VARIANTS = {"uniform splits": dict(DECODE_PLANNED_SPLITS=False),  # every context split alike, as before the plan
-                 **{f"planned/slack {s}": dict(DECODE_SPLIT_SLACK=s) for s in (0.0, 0.25, 0.75)}}
 
 
 def ragged_batch(B, H, K, D, seed):
@@ -62,25 +58,21 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     if args.one_wave: kernels.DECODE_ONE_WAVE = True
+    table_tile, num_sms = kernels.decode_tile, kernels._num_sms(torch.device("cuda"))
     rows = []
     for model, B in itertools.product(pa.MODELS, BATCHES):
         H, K, D = pa.MODELS[model]
         q, kc, vc, bt, lens = ragged_batch(B, H, K, D, seed=B)
         if args.kv_cache_dtype == "fp8": kc, vc = kc.to(kernels.FP8), vc.to(kernels.FP8)
-        out, (splits, planned, tile) = torch.empty_like(q), kernels.decode_launch(q, kc, bt)
+        out, splits = torch.empty_like(q), kernels.decode_num_splits(q, kc, bt)
         fn = lambda: paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, out=out)
-        row = dict(model=model, batch=B, num_splits=splits, planned=planned, max_context=int(lens.max()),
-                   table_tile=list(tile), us={}, max_abs_diff={})
+        row = dict(model=model, batch=B, num_splits=splits, max_context=int(lens.max()),
+                   table_tile=list(table_tile(K * B * splits / num_sms, D, kc.dtype)), us={}, max_abs_diff={})
         fn(); torch.cuda.synchronize()
         ref = out.clone()
         for tile in [None] + TILES + EXTRA_TILES[D]:
             with pa.forced_decode(tile):  # None: the table's
                 name = "table" if tile is None else "/".join(map(str, tile))
-                fn(); torch.cuda.synchronize()
-                row["max_abs_diff"][name] = (out - ref).abs().max().item()
-                row["us"][name] = 1e3 * pa.bench(pa.graphed(fn))["ms"]
-        for name, settings in PLAN_VARIANTS.items():  # the table's tile for each launch
-            with pa.kernel_settings(**settings):
                 fn(); torch.cuda.synchronize()
                 row["max_abs_diff"][name] = (out - ref).abs().max().item()
                 row["us"][name] = 1e3 * pa.bench(pa.graphed(fn))["ms"]

@@ -92,17 +92,6 @@ def forced_decode(tile: tuple | None = None, max_splits: int | None = None):
         kernels.decode_tile, kernels.DECODE_MAX_SPLITS = saved
 
 
-@contextlib.contextmanager
-def kernel_settings(**settings):
-    "nanoserve.kernels' module constants (DECODE_PLANNED_SPLITS=False, ...) set to `settings`, then restored."
-    saved = {name: getattr(kernels, name) for name in settings}
-    try:
-        for name, value in settings.items(): setattr(kernels, name, value)
-        yield
-    finally:
-        for name, value in saved.items(): setattr(kernels, name, value)
-
-
 def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
     "Device-to-device copy bandwidth: (bytes read + bytes written) / median time of dst.copy_(src)."
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
@@ -190,10 +179,10 @@ def decode_row(model, B, S, block_size, with_sdpa=True) -> dict:
         return {**row, "skipped": f"needs {cache_bytes / 2**30:.1f} GiB of KV cache"}
     q, k_cache, v_cache, bt, lens = paged_inputs(B, S, H, K, D, block_size)
     out, scale = torch.empty_like(q), D**-0.5
-    splits, planned, tile = kernels.decode_launch(q, k_cache, bt)
+    num_sms, splits = kernels._num_sms(q.device), kernels.decode_num_splits(q, k_cache, bt)
     t = bench_graphed(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, out=out))
     nbytes = decode_attention_bytes(B, S, H, K, D)
-    row.update(num_splits=splits, planned=planned, tile=list(tile), bytes=nbytes, **t, gbs=nbytes / (t["ms"] * 1e-3) / 1e9)
+    row.update(num_splits=splits, tile=list(kernels.decode_tile(K * B * splits / num_sms, D)), bytes=nbytes, **t, gbs=nbytes / (t["ms"] * 1e-3) / 1e9)
     if with_sdpa:
         if cache_bytes + (2 << 30) > free_bytes():  # the paged cache is allocated already
             row["sdpa_skipped"] = "no memory for the contiguous copy"

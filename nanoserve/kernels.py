@@ -4,12 +4,10 @@
 
 # %% auto #0
 __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_MIN_SPLIT_TOKENS', 'DECODE_MAX_SPLITS',
-           'DECODE_PLANNED_SPLITS', 'DECODE_SPLIT_SLACK', 'DECODE_PLAN_MAX_SEQS', 'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N',
-           'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'PREFILL_LONGEST_FIRST', 'FP8', 'QUERY_DTYPES', 'CACHE_DTYPES',
-           'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes', 'interpreting', 'store_kv',
-           'choose_num_splits', 'decode_programs', 'decode_tile', 'resident_programs', 'plans_splits', 'decode_launch',
-           'decode_num_splits', 'decode_split_plan', 'paged_decode_attention', 'paged_prefill_attention',
-           'TritonPagedAttention']
+           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'PREFILL_LONGEST_FIRST',
+           'FP8', 'QUERY_DTYPES', 'CACHE_DTYPES', 'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes',
+           'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile', 'resident_programs', 'decode_num_splits',
+           'paged_decode_attention', 'paged_prefill_attention', 'TritonPagedAttention']
 
 # %% ../chapters/09_paged_attention.ipynb #ea379e57
 import math, os
@@ -65,9 +63,6 @@ DECODE_PROGRAMS_PER_SM = 4  # split contexts until sequences x KV heads x splits
 DECODE_ONE_WAVE = False  # True: ... but no more programs than the GPU holds at once (faster on even batches, slower on ragged)
 DECODE_MIN_SPLIT_TOKENS = 128  # ... but never into splits shorter than this
 DECODE_MAX_SPLITS = 64
-DECODE_PLANNED_SPLITS = True  # on the GPU, split each context by the step's real lengths (below); False: all contexts alike
-DECODE_SPLIT_SLACK = 0.5  # ... where a remainder under this share of a split rides with the others
-DECODE_PLAN_MAX_SEQS = 1024  # ... for batches of up to this many sequences (each program reads every length)
 PREFILL_BLOCK_M = 64  # queries per prefill program
 PREFILL_BLOCK_N = 64  # keys per loop iteration of prefill
 PREFILL_NUM_WARPS = 4
@@ -242,65 +237,33 @@ def _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION: tl.
 
 # %% ../chapters/09_paged_attention.ipynb #5446cd3c
 @triton.jit
-def _planned_splits(lens_ptr, num_seqs, S, window, max_splits, target_programs, min_split_tokens, slack,
-                    K: tl.constexpr, BLOCK_B: tl.constexpr, WINDOWED: tl.constexpr):
-    """Splits for a context of S positions, planned from the lengths of the whole batch (num_seqs <= BLOCK_B of them):
-    the batch's work, K heads x positions seen, shared out over target_programs programs, gives each program a `share`
-    of positions; the context takes one split per share (a remainder under `slack` shares rides along), at least
-    min_split_tokens long, between 1 and max_splits of them. The decode kernel and the merge call it alike."""
-    offs = tl.arange(0, BLOCK_B)
-    lens = tl.load(lens_ptr + offs, mask=offs < num_seqs, other=0)
-    if WINDOWED:  # a sliding window sees at most `window` positions
-        lens = tl.minimum(lens, window)
-        S = tl.minimum(S, window)
-    work = tl.sum(lens.to(tl.int64), 0) * K
-    share = tl.maximum((work + target_programs - 1) // target_programs, min_split_tokens).to(tl.float32)
-    n = tl.ceil(S.to(tl.float32) / share - slack).to(tl.int32)
-    return tl.minimum(tl.maximum(n, 1), max_splits)
-
-@triton.jit
-def _store_decode_output(out_ptr, acc, l_i, b, heads, stride_ob, stride_oh, offs_d, gd_mask):
-    "A program's output for its G query heads, acc / l: the whole context was its range."
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=gd_mask)
-
-@triton.jit
-def _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits, n_splits,
+def _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-    """A program's result for its G query heads: the output, or, when its sequence is split (n_splits > 1 of the grid's
-    num_splits), the partial (acc, m, l) for the merge."""
-    if SPLIT:
-        if n_splits > 1:  # partial results (B, H, num_splits[, D])
-            part = (b * H + heads) * num_splits + split
-            tl.store(part_m_ptr + part, m_i, mask=g_mask)
-            tl.store(part_l_ptr + part, l_i, mask=g_mask)
-            tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
-        else:
-            _store_decode_output(out_ptr, acc, l_i, b, heads, stride_ob, stride_oh, offs_d, gd_mask)
+    "A program's result for its G query heads: the output acc / l, or with splits the partial (acc, m, l) for the reduction."
+    if SPLIT:  # partial results (B, H, splits[, D])
+        part = (b * H + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gd_mask)
     else:
-        _store_decode_output(out_ptr, acc, l_i, b, heads, stride_ob, stride_oh, offs_d, gd_mask)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window", "num_seqs", "target_programs", "min_split_tokens"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
                    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                   num_splits, window, num_seqs, target_programs, min_split_tokens, slack,
+                   num_splits, window,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False,
-                   PLANNED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False):
     _follow_early(PDL)
     kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a sequence's KV heads are launched side by side
     S = tl.load(lens_ptr + b)
-    n_splits = num_splits  # this sequence's splits: the grid's, or planned from the batch's lengths
-    if PLANNED:
-        n_splits = _planned_splits(lens_ptr, num_seqs, S, window, num_splits, target_programs, min_split_tokens, slack,
-                                   H // G, BLOCK_B, WINDOWED)
-        if split >= n_splits:  # a split this sequence does not use: no work, nothing written
-            return
     lo = 0  # where the range starts: position 0, or the tile that holds the window's first position
     if WINDOWED:  # (a whole tile: tiles that start on multiples of BLOCK_N keep their loads aligned)
         lo = tl.maximum(S - window, 0) // BLOCK_N * BLOCK_N
-    split_len = ((S - lo + n_splits - 1) // n_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(seen / splits), in whole tiles
+    split_len = ((S - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # ceil(seen / splits), in whole tiles
     start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
     offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
@@ -324,27 +287,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, p
         if WINDOWED:  # the first tile may begin before the window
             valid = n_mask & (n >= S - window)
         acc, m_i, l_i = _online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PRECISION)
-    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits, n_splits,
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
                          stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
 
-
 # %% ../chapters/09_paged_attention.ipynb #a692cba0
-@triton.jit(do_not_specialize=["num_splits", "window", "num_seqs", "target_programs", "min_split_tokens"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, stride_ob, stride_oh, num_splits,
-                          lens_ptr, window, num_seqs, target_programs, min_split_tokens, slack,  # the plan's (PLANNED)
-                          H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                          K: tl.constexpr = 1, PLANNED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
-                          WINDOWED: tl.constexpr = False):
+                          H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     _follow_early(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
-    n_splits = num_splits
-    if PLANNED:  # the decode kernel's plan, found again: one split means it wrote the output itself
-        n_splits = _planned_splits(lens_ptr, num_seqs, tl.load(lens_ptr + b), window, num_splits, target_programs,
-                                   min_split_tokens, slack, K, BLOCK_B, WINDOWED)
-        if n_splits == 1:
-            return
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    s_mask, d_mask = offs_s < n_splits, offs_d < D
+    s_mask, d_mask = offs_s < num_splits, offs_d < D
     part = (b * H + h) * num_splits + offs_s  # (splits,)
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
@@ -355,7 +308,6 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, stride_
     den = tl.sum(w * l, 0)
     out = tl.sum(w[:, None] * a, 0) / tl.where(den == 0.0, 1.0, den)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
-
 
 # %% ../chapters/09_paged_attention.ipynb #25bd05b2
 @lru_cache
@@ -371,12 +323,6 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
     if programs_per_wave is not None: want = min(want, programs_per_wave // programs)
     useful = triton.cdiv(max_context_len, DECODE_MIN_SPLIT_TOKENS)
     return max(1, min(want, useful, DECODE_MAX_SPLITS))
-
-def decode_programs(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int = 132, planned: bool = False) -> int:
-    """Programs of a decode grid of num_splits splits that do work: all of them, or, when the kernel plans its splits from
-    the real lengths, about the DECODE_PROGRAMS_PER_SM x num_sms it aims for (one per sequence and KV head at least)."""
-    grid = num_seqs * num_kv_heads * num_splits
-    return min(grid, max(num_seqs * num_kv_heads, DECODE_PROGRAMS_PER_SM * num_sms)) if planned else grid
 
 def decode_tile(programs_per_sm: float, head_dim: int, cache_dtype: torch.dtype | None = None) -> tuple:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel for a grid of this many programs per SM, from DECODE_TILES
@@ -409,30 +355,23 @@ def _sm_limits(device: torch.device) -> dict:
                 warps_per_sm=p.max_threads_per_multi_processor // 32)
 
 # %% ../chapters/09_paged_attention.ipynb #245150ee
-def _decode_options(q, k_cache, num_splits: int, window: int | None, planned: bool = False) -> dict:
+def _decode_options(q, k_cache, num_splits: int, window: int | None) -> dict:
     "The decode kernel's compile-time constants and launch options for these inputs."
     _, block_size, K, D = k_cache.shape
     B, H, _ = q.shape
-    sms = _num_sms(q.device)
-    block_n, num_warps, num_stages = decode_tile(decode_programs(B, K, num_splits, sms, planned) / sms, D, k_cache.dtype)
+    block_n, num_warps, num_stages = decode_tile(K * B * num_splits / _num_sms(q.device), D, k_cache.dtype)
     pdl = _pdl(q.device)
     return dict(H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=triton.next_power_of_2(D),
                 BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=interpreting(),
                 PRECISION=_dot_precision(q.dtype), PDL=pdl, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache),
-                PLANNED=planned, BLOCK_B=triton.next_power_of_2(B) if planned else 1,
                 num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
-
-def _plan_args(q) -> tuple:
-    "The run-time arguments of the split plan (_planned_splits): sequences, programs to aim for, shortest split, slack."
-    return len(q), DECODE_PROGRAMS_PER_SM * _num_sms(q.device), DECODE_MIN_SPLIT_TOKENS, DECODE_SPLIT_SLACK
 
 def _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, parts: tuple, scale: float, num_splits: int,
                  window: int | None) -> tuple:
     "The decode kernel's run-time arguments; `parts` are the split partials (out, m, l), or anything when not splitting."
     return (q, k_cache, v_cache, block_tables, context_lens, out, *parts,
             scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits, window or 0,
-            *_plan_args(q))
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits, window or 0)
 
 _PROGRAMS_PER_SM = {}  # a compiled decode kernel's constants -> its resident programs per SM
 
@@ -451,17 +390,6 @@ def _programs_per_wave(q, k_cache, block_tables, num_splits: int, window: int | 
                                                   **_sm_limits(q.device))
     return _PROGRAMS_PER_SM[key] * _num_sms(q.device)
 
-def plans_splits(num_seqs: int, num_splits: int) -> bool:
-    "Whether a decode grid of num_splits splits plans each context's own on the GPU (decode_split_plan), or splits all alike."
-    return DECODE_PLANNED_SPLITS and num_splits > 1 and num_seqs <= DECODE_PLAN_MAX_SEQS
-
-def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, window: int | None = None) -> tuple:
-    "(grid splits, planned, (BLOCK_N, num_warps, num_stages)) that paged_decode_attention launches for these inputs."
-    num_splits = decode_num_splits(q, k_cache, block_tables, window)
-    planned = plans_splits(len(q), num_splits)
-    o = _decode_options(q, k_cache, num_splits, window, planned)
-    return num_splits, planned, (o["BLOCK_N"], o["num_warps"], o["num_stages"])
-
 def decode_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, window: int | None = None) -> int:
     """Splits per context that paged_decode_attention chooses for these inputs: choose_num_splits, and with DECODE_ONE_WAVE
     on a GPU no more than one wave of the kernel that many splits would launch (its tile may change with the cap)."""
@@ -474,31 +402,12 @@ def decode_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         num_splits = choose_num_splits(B, K, seen, sms, programs_per_wave=wave)
     return num_splits
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "max_splits", "target_programs", "min_split_tokens"])
-def _split_plan_kernel(lens_ptr, plan_ptr, num_seqs, window, max_splits, target_programs, min_split_tokens, slack,
-                       K: tl.constexpr, BLOCK_B: tl.constexpr, WINDOWED: tl.constexpr):
-    b = tl.program_id(0)
-    tl.store(plan_ptr + b, _planned_splits(lens_ptr, num_seqs, tl.load(lens_ptr + b), window, max_splits, target_programs,
-                                           min_split_tokens, slack, K, BLOCK_B, WINDOWED))
-
-def decode_split_plan(context_lens: torch.Tensor,  # (B,) int32, on the GPU (or the CPU under the interpreter)
-                      num_kv_heads: int,
-                      max_splits: int,  # the grid's splits (decode_num_splits): no context takes more
-                      window: int | None = None) -> torch.Tensor:  # -> (B,) int32
-    "How many splits the decode kernel gives each context of this batch: its own plan (_planned_splits), run on its own."
-    _check_index("context_lens", context_lens, 1)
-    B = len(context_lens)
-    plan = torch.empty(B, dtype=torch.int32, device=context_lens.device)
-    if B: _split_plan_kernel[(B,)](context_lens, plan, B, window or 0, max_splits, *_plan_args(context_lens)[1:],
-                                   K=num_kv_heads, BLOCK_B=triton.next_power_of_2(B), WINDOWED=window is not None)
-    return plan
-
 def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per sequence
                            k_cache: torch.Tensor, v_cache: torch.Tensor,  # (num_blocks, block_size, K, D): one layer's pools
                            block_tables: torch.Tensor,  # (B, max_blocks) int32
                            context_lens: torch.Tensor,  # (B,) int32: positions of each sequence, the new one included
                            scale: float,
-                           num_splits: int | None = None,  # splits of every context; None: planned (decode_split_plan)
+                           num_splits: int | None = None,  # splits per context; None: decode_num_splits
                            out: torch.Tensor | None = None,
                            window: int | None = None) -> torch.Tensor:  # -> (B, H, D); window: a sliding window (chapter 3)
     "Attention of each sequence's one new query over its whole context, read through its block table (Triton)."
@@ -518,22 +427,19 @@ def paged_decode_attention(q: torch.Tensor,  # (B, H, D): one query token per se
         raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
     if B == 0: return out
     _check_num_seqs(B, "decode")
-    given = num_splits is not None  # a given count splits every context alike
-    num_splits = num_splits or decode_num_splits(q, k_cache, block_tables, window)  # the grid's: the most any context takes
-    planned = not given and plans_splits(B, num_splits)
+    num_splits = num_splits or decode_num_splits(q, k_cache, block_tables, window)
     parts = (out,) * 3  # not used without splits: the programs write the outputs
     if num_splits > 1:
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
         parts = (torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device), part_m, torch.empty_like(part_m))
-    options = _decode_options(q, k_cache, num_splits, window, planned)
+    options = _decode_options(q, k_cache, num_splits, window)
     _decode_kernel[(K, B, num_splits)](*_decode_args(q, k_cache, v_cache, block_tables, context_lens, out, parts, scale,
                                                      num_splits, window), **options)
     if num_splits > 1:
         pdl = options["PDL"]
-        _decode_reduce_kernel[(B, H)](out, *parts, out.stride(0), out.stride(1), num_splits, context_lens, window or 0,
-                                      *_plan_args(q), H=H, D=D, BLOCK_S=triton.next_power_of_2(num_splits),
-                                      BLOCK_D=options["BLOCK_D"], PDL=pdl, launch_pdl=pdl, K=K, PLANNED=planned,
-                                      BLOCK_B=options["BLOCK_B"], WINDOWED=window is not None)
+        _decode_reduce_kernel[(B, H)](out, *parts, out.stride(0), out.stride(1), num_splits, H=H, D=D,
+                                      BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=options["BLOCK_D"],
+                                      PDL=pdl, launch_pdl=pdl)
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #ebccc42a

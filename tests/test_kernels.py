@@ -8,13 +8,13 @@ before they multiply the values, as in FlashAttention). Every output tensor star
 every cache slot a batch does not write, so an element that is not written, or a slot read that should not be,
 fails the comparison.
 """
-import itertools, math
+import itertools
 
 import pytest
 import torch
 
 import nanoserve.kernels as kernels
-from nanoserve.kernels import (TritonPagedAttention, choose_num_splits, decode_attention_bytes, decode_split_plan, interpreting,
+from nanoserve.kernels import (TritonPagedAttention, choose_num_splits, decode_attention_bytes, interpreting,
                                paged_decode_attention, paged_prefill_attention, store_kv)
 from nanoserve.paged_cache import PagedAttention, PagedAttentionMetadata, PagedKVCache, paged_attention_ref, store_kv_ref
 
@@ -127,59 +127,6 @@ def test_decode_splits_equal_one_split():
     torch.testing.assert_close(one, reference(*args), **TOL[torch.float32])
     for n in (2, 3, 7, None):  # 7: more splits than 64-key tiles in every sequence, so some splits are empty
         torch.testing.assert_close(decode(*args[:5], num_splits=n), one, atol=2e-6, rtol=1e-5)
-
-
-def plan(lens, K, window=None, max_splits=None):
-    "The splits decode_split_plan gives each of these context lengths, under a grid of max_splits (default: the library's)."
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    if max_splits is None:
-        max_splits = choose_num_splits(len(lens), K, min(max(lens), window or math.inf), kernels._num_sms(lens_t.device))
-    return decode_split_plan(lens_t, K, max_splits, window).tolist()
-
-
-def test_decode_split_plan_follows_the_batch():
-    "Splits share the batch's work over DECODE_PROGRAMS_PER_SM programs per SM (132 SMs without a GPU)."
-    if DEVICE == "cuda": pytest.skip("the numbers below are for 132 SMs")
-    assert plan([4096] * 64, 8) == [1] * 64  # 512 programs already: the grid's 2 splits go unused
-    assert plan([4096] * 8, 8) == [8] * 8  # shares of ceil(8 * 8 * 4096 / 528) = 497 positions: 8.2 of them, 8 splits
-    assert plan([4096] * 8, 8, max_splits=4) == [4] * 8  # never more than the grid has
-    assert plan([512] * 8, 8) == [4] * 8  # shares of 63, but no split under DECODE_MIN_SPLIT_TOKENS = 128
-    assert plan([4096] + [100] * 7, 8) == [9, 1, 1, 1, 1, 1, 1, 1]  # the long context takes every split the grid has
-    assert plan([4096] * 8, 8, window=1000) == [8] * 8  # a window sees 1000 positions: shares of 128, 7.8 of them
-    assert plan([0, 1, 192, 193, 320], 1) == [1, 1, 1, 2, 2]  # shares of 128: a remainder of half a share rides along
-    assert plan([0] * 3, 8) == [1, 1, 1]  # nothing to share: one (empty) split each
-
-
-def test_decode_plans_only_when_it_chooses_the_splits(monkeypatch):
-    "num_splits=None plans on the GPU (PLANNED), a given count splits all alike, one split or DECODE_PLANNED_SPLITS off: no plan."
-    lens = [1, 17, 100, 300, 900, 2000]
-    args = paged_batch(lens, [1] * len(lens), 4, 2, 64, 16, seed=15)
-    spy = LaunchSpy(kernels._decode_kernel)
-    monkeypatch.setattr(kernels, "_decode_kernel", spy)
-    ref = reference(*args)
-    for n in (None, 3, 1):
-        torch.testing.assert_close(decode(*args[:5], num_splits=n), ref, **TOL[torch.float32])
-    monkeypatch.setattr(kernels, "DECODE_PLANNED_SPLITS", False)
-    torch.testing.assert_close(decode(*args[:5]), ref, **TOL[torch.float32])
-    q, k_cache, _, block_tables = args[:4]
-    cap = kernels.decode_num_splits(q, k_cache, block_tables)
-    assert cap > 1 and [(grid[2], kw["PLANNED"]) for grid, kw in spy.launches] == [(cap, True), (3, False), (1, False), (cap, False)]
-    monkeypatch.setattr(kernels, "DECODE_PLANNED_SPLITS", True)
-    assert kernels.decode_launch(q, k_cache, block_tables)[:2] == (cap, True)
-    assert not kernels.plans_splits(kernels.DECODE_PLAN_MAX_SEQS + 1, cap) and not kernels.plans_splits(4, 1)
-
-
-@pytest.mark.parametrize("window", [None, 300])
-def test_planned_splits_match_reference_and_uniform_splits(window, monkeypatch):
-    "A batch whose plan mixes one split (the kernel writes the output) and several (the merge does): as every context split alike."
-    lens = [1, 16, 17, 129, 300, 640, 900, 2000, 5, 64]
-    args = paged_batch(lens, [1] * len(lens), 6, 2, 32, 16, seed=16)
-    splits = plan(lens, 2, window)
-    assert min(splits) == 1 and max(splits) > 1, splits
-    planned = decode(*args[:5], window=window)
-    torch.testing.assert_close(planned, reference(*args, window=window), **TOL[torch.float32])
-    monkeypatch.setattr(kernels, "DECODE_PLANNED_SPLITS", False)
-    torch.testing.assert_close(planned, decode(*args[:5], window=window), atol=2e-6, rtol=1e-5)
 
 
 def test_decode_block_table_padding_is_never_read():
