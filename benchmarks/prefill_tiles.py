@@ -9,8 +9,12 @@ the GPU) on the same inputs, so a tile that computes something else is reported,
 triton.testing.do_bench over CUDA-graph replays, L2 flushed before each, as in paged_attention.py.
 
     python benchmarks/prefill_tiles.py --out prefill_tiles.json
+    python benchmarks/prefill_tiles.py --engine configs/Qwen3-0.6B --tile 128 128 8 3   # the engine, library tile vs this one
+
+With --engine, the engine (random weights) runs ENGINE_WORKLOADS with the library's tile and with --tile, alternated
+ROUNDS times, each run on a new LLM so that its CUDA graphs hold the tile of their run.
 """
-import argparse, datetime, itertools, sys
+import argparse, datetime, gc, itertools, sys
 from pathlib import Path
 
 import torch
@@ -28,6 +32,9 @@ TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2), (128,
 LONGEST_FIRST = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]  # also timed with that launch order
 VARIANTS = [t + (False,) for t in TILES] + [t + (True,) for t in LONGEST_FIRST]
 CHUNKS = ((8, 512, 2048), (4, 2048, 8192))  # (B, new tokens, context including them)
+ENGINE_WORKLOADS = {"256 x 2048 + 32": dict(num_requests=256, prompt_len=2048, output_len=32),  # mostly prefill
+                    "256 x 512 + 256": dict(num_requests=256, prompt_len=512, output_len=256)}
+ROUNDS = 2
 
 
 def with_tile(tile, fn):
@@ -73,11 +80,34 @@ def row(model: str, B: int, T: int, S: int) -> dict:
     return res
 
 
+def engine(model: str, tile: tuple, workloads: list) -> dict:
+    "Output tokens/s of LLM.generate (greedy) per workload, with the library's prefill tile and with `tile`, alternated."
+    from engine_rates import engine_rates
+    runs = {}
+    for workload, _, (name, t) in itertools.product(workloads, range(ROUNDS), (("library", None), ("tile", tile))):
+        go = lambda: engine_rates(model, {"greedy": dict(temperature=0)}, **ENGINE_WORKLOADS[workload])["output_tokens_per_s"]["greedy"]
+        rate = go() if t is None else with_tile(tuple(t) + (kernels.PREFILL_LONGEST_FIRST,), go)
+        runs.setdefault(workload, {}).setdefault(name, []).append(round(rate, 1))
+        pa.log(f"{model} {workload} {name}: {rate:,.0f} output tokens/s")
+        gc.collect(); torch.cuda.empty_cache()
+    return runs
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--engine", help="run the engine on this model config instead (random weights), library tile vs --tile")
+    p.add_argument("--tile", type=int, nargs=4, default=[128, 128, 8, 3], metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"))
+    p.add_argument("--workloads", nargs="+", default=list(ENGINE_WORKLOADS), choices=list(ENGINE_WORKLOADS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
+    if args.engine:
+        res = {"benchmark": "prefill_tiles --engine", "model": args.engine, "device": torch.cuda.get_device_name(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
+               "library_tile": [getattr(kernels, c) for c in CONSTANTS[:4]], "tile": args.tile,
+               "workloads": {w: ENGINE_WORKLOADS[w] for w in args.workloads}, "rounds": ROUNDS,
+               "output_tokens_per_s": engine(args.engine, args.tile, args.workloads)}
+        return pa.emit(res, args.out)
     shapes = [(B, S, S) for B, S in pa.PREFILL] + list(CHUNKS)
     res = {"benchmark": "prefill_tiles", "device": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "triton": triton.__version__},
