@@ -32,8 +32,8 @@ TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2), (128,
 LONGEST_FIRST = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]  # also timed with that launch order
 VARIANTS = [t + (False,) for t in TILES] + [t + (True,) for t in LONGEST_FIRST]
 CHUNKS = ((8, 512, 2048), (4, 2048, 8192))  # (B, new tokens, context including them)
-ENGINE_WORKLOADS = {"256 x 2048 + 32": dict(num_requests=256, prompt_len=2048, output_len=32),  # mostly prefill
-                    "256 x 512 + 256": dict(num_requests=256, prompt_len=512, output_len=256)}
+ENGINE_WORKLOADS = {"long-prompts": dict(num_requests=256, prompt_len=2048, output_len=32),  # mostly prefill
+                    "mixed": dict(num_requests=256, prompt_len=512, output_len=256)}
 ROUNDS = 2
 
 
