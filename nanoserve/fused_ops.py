@@ -34,7 +34,7 @@ def _normalize(x, w_ptr, offs, mask, E, eps, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     _follow_early(PDL)  # chapter 9: with programmatic dependent launch, start early but read only after the previous kernel
-    row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
+    row, offs = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, _normalize(x, w_ptr, offs, mask, E, eps, out_ptr.dtype.element_ty), mask=mask)
@@ -76,7 +76,7 @@ def rms_norm(x: torch.Tensor,  # (..., E)
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, H,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     _follow_early(PDL)
-    t, offs_h, offs_d = tl.program_id(0), tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
+    t, offs_h, offs_d = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     mask = (offs_h < H)[:, None] & d_mask[None, :]
     dt = out_ptr.dtype.element_ty  # below, .to(dt).to(tl.float32) rounds as a PyTorch op in x's dtype would
@@ -121,7 +121,7 @@ SILU_BLOCK = 1024  # elements of a row per program
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _follow_early(PDL)
-    row, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, offs = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     dtype = out_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -163,7 +163,7 @@ def merge_biases(*linears: torch.nn.Linear) -> torch.Tensor | None:
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, E, eps, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     _follow_early(PDL)
-    row, offs = tl.program_id(0), tl.arange(0, BLOCK_E)
+    row, offs = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK_E)
     mask = offs < E
     dtype = out_ptr.dtype.element_ty
     s = (tl.load(x_ptr + row * E + offs, mask=mask, other=0.0).to(tl.float32)

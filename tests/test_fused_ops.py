@@ -313,6 +313,31 @@ def test_sample_with_fused_penalties_draws_what_apply_penalties_draws(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "add_rms_norm", "rope"])
+def test_gpu_row_kernels_past_two_to_the_31_elements(op):
+    """A step of 131,072 tokens (Llama-3.1-8B's default budget) has 3.8e9 gate/up activations: offsets past 2**31 must not
+    wrap. The last rows of a tensor that large equal the same op on those rows alone (bf16, up to 4.3 GB an input)."""
+    big = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    last = lambda t: t[-2:].clone()
+    if op == "silu_and_mul":
+        x = big(75_000, 2 * 14_336)
+        got, want = silu_and_mul(x)[-2:], silu_and_mul(last(x))
+    elif op in ("rms_norm", "add_rms_norm"):
+        x, w = big(2**19 + 7, 4096), big(4096)
+        if op == "rms_norm": got, want = rms_norm(x, w, 1e-5)[-2:], rms_norm(last(x), w, 1e-5)
+        else:
+            h = big(*x.shape)
+            got, want = [t[-2:] for t in add_rms_norm(x, h, w, 1e-5)], add_rms_norm(last(x), last(h), w, 1e-5)
+    else:
+        x = big(2**19 + 7, 32, 128)
+        cos, sin = torch.rand(len(x), 128, device="cuda"), torch.rand(len(x), 128, device="cuda")
+        got, want = rope(x, cos, sin)[-2:], rope(last(x), last(cos), last(sin))
+    for g, w_ in zip(got, want) if isinstance(got, list) else [(got, want)]:
+        assert torch.equal(g, w_)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_search_filter_over_a_llama_3_vocabulary():
     logits, temperature, top_k, top_p, min_p = filter_rows(64, 128256, 7, torch.bfloat16)
     noise = torch.randn(64, 128256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
