@@ -452,8 +452,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LONGEST_FIRST:  # programs start in the order of their ids: the tiles with the most keys first, the shortest last
         tile = tl.num_programs(0) - 1 - tile
-    q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
+    q_start = tl.load(cu_ptr + b).to(tl.int64)  # 64 bits: a step's rows times H * D can pass 2**31 (chapter 9b)
+    q_len = (tl.load(cu_ptr + b + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:  # past this prompt's end
         return
     S = tl.load(lens_ptr + b)
