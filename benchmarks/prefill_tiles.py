@@ -80,17 +80,20 @@ def row(model: str, B: int, T: int, S: int) -> dict:
     return res
 
 
-def engine(model: str, tile: tuple, workloads: list) -> dict:
-    "Output tokens/s of LLM.generate (greedy) per workload, with the library's prefill tile and with `tile`, alternated."
+def engine(model: str, tile: tuple, workloads: list) -> tuple:
+    """Output tokens/s of LLM.generate (greedy) per workload, with the library's prefill tile and with `tile`, alternated
+    (the library's first in each round), and each run's KV blocks (equal, if every engine got the same cache)."""
     from engine_rates import engine_rates
-    runs = {}
+    runs, blocks = {}, {}
     for workload, _, (name, t) in itertools.product(workloads, range(ROUNDS), (("library", None), ("tile", tile))):
-        go = lambda: engine_rates(model, {"greedy": dict(temperature=0)}, **ENGINE_WORKLOADS[workload])["output_tokens_per_s"]["greedy"]
-        rate = go() if t is None else with_tile(tuple(t) + (kernels.PREFILL_LONGEST_FIRST,), go)
+        go = lambda: engine_rates(model, {"greedy": dict(temperature=0)}, **ENGINE_WORKLOADS[workload])
+        res = go() if t is None else with_tile(tuple(t) + (kernels.PREFILL_LONGEST_FIRST,), go)
+        rate = res["output_tokens_per_s"]["greedy"]
         runs.setdefault(workload, {}).setdefault(name, []).append(round(rate, 1))
+        blocks.setdefault(workload, {}).setdefault(name, []).append(res["num_kv_blocks"])
         pa.log(f"{model} {workload} {name}: {rate:,.0f} output tokens/s")
         gc.collect(); torch.cuda.empty_cache()
-    return runs
+    return runs, blocks
 
 
 def main(argv=None):
@@ -102,11 +105,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     if args.engine:
+        rates, blocks = engine(args.engine, args.tile, args.workloads)
         res = {"benchmark": "prefill_tiles --engine", "model": args.engine, "device": torch.cuda.get_device_name(),
+               "versions": {"torch": torch.__version__, "triton": triton.__version__},
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
                "library_tile": [getattr(kernels, c) for c in CONSTANTS[:4]], "tile": args.tile,
                "workloads": {w: ENGINE_WORKLOADS[w] for w in args.workloads}, "rounds": ROUNDS,
-               "output_tokens_per_s": engine(args.engine, args.tile, args.workloads)}
+               "output_tokens_per_s": rates, "num_kv_blocks": blocks}
         return pa.emit(res, args.out)
     shapes = [(B, S, S) for B, S in pa.PREFILL] + list(CHUNKS)
     res = {"benchmark": "prefill_tiles", "device": torch.cuda.get_device_name(),
