@@ -82,10 +82,11 @@ def row(model: str, B: int, T: int, S: int) -> dict:
 
 def engine(model: str, tile: tuple, workloads: list) -> tuple:
     """Output tokens/s of LLM.generate (greedy) per workload, with the library's prefill tile and with `tile`, alternated
-    (the library's first in each round), and each run's KV blocks (equal, if every engine got the same cache)."""
+    in the order A B B A ..., and each run's KV blocks (equal, if every engine got the same cache)."""
     from engine_rates import engine_rates
-    runs, blocks = {}, {}
-    for workload, _, (name, t) in itertools.product(workloads, range(ROUNDS), (("library", None), ("tile", tile))):
+    runs, blocks, pair = {}, {}, (("library", None), ("tile", tile))
+    order = [p for r in range(ROUNDS) for p in (pair if r % 2 == 0 else pair[::-1])]
+    for workload, (name, t) in itertools.product(workloads, order):
         go = lambda: engine_rates(model, {"greedy": dict(temperature=0)}, **ENGINE_WORKLOADS[workload])
         res = go() if t is None else with_tile(tuple(t) + (kernels.PREFILL_LONGEST_FIRST,), go)
         rate = res["output_tokens_per_s"]["greedy"]
