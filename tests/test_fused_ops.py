@@ -321,19 +321,18 @@ def test_gpu_row_kernels_past_two_to_the_31_elements(op):
     last = lambda t: t[-2:].clone()
     if op == "silu_and_mul":
         x = big(75_000, 2 * 14_336)
-        got, want = silu_and_mul(x)[-2:], silu_and_mul(last(x))
+        got, want = (silu_and_mul(x)[-2:],), (silu_and_mul(last(x)),)
     elif op in ("rms_norm", "add_rms_norm"):
-        x, w = big(2**19 + 7, 4096), big(4096)
-        if op == "rms_norm": got, want = rms_norm(x, w, 1e-5)[-2:], rms_norm(last(x), w, 1e-5)
+        x, weight = big(2**19 + 7, 4096), big(4096)
+        if op == "rms_norm": got, want = (rms_norm(x, weight, 1e-5)[-2:],), (rms_norm(last(x), weight, 1e-5),)
         else:
             h = big(*x.shape)
-            got, want = [t[-2:] for t in add_rms_norm(x, h, w, 1e-5)], add_rms_norm(last(x), last(h), w, 1e-5)
+            got, want = tuple(t[-2:] for t in add_rms_norm(x, h, weight, 1e-5)), add_rms_norm(last(x), last(h), weight, 1e-5)
     else:
         x = big(2**19 + 7, 32, 128)
         cos, sin = torch.rand(len(x), 128, device="cuda"), torch.rand(len(x), 128, device="cuda")
-        got, want = rope(x, cos, sin)[-2:], rope(last(x), last(cos), last(sin))
-    for g, w_ in zip(got, want) if isinstance(got, list) else [(got, want)]:
-        assert torch.equal(g, w_)
+        got, want = (rope(x, cos, sin)[-2:],), (rope(last(x), last(cos), last(sin)),)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.gpu
