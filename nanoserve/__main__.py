@@ -16,7 +16,7 @@ from . import __version__
 from .benchmark import latency_benchmark, throughput_benchmark
 from .engine import model_sampling_defaults
 from .generate import generate
-from .model_runner import KV_CACHE_DTYPES, EngineConfig
+from .model_runner import KV_CACHE_DTYPES, LONG_CONTEXT, EngineConfig
 from .loader import DEFAULT_MODEL, checkpoint_files, load_model, resolve_model
 from .model import ModelConfig
 from .sampling import SamplingParams
@@ -148,9 +148,10 @@ def add_engine_args(p):
                    help="schedule and prepare step n+1 while the GPU runs step n (default: on with CUDA)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the computed blocks of common prompt prefixes between requests")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="every step brings the running sequences' tokens first and prompt chunks in the rest of its "
-                        "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len")
+                        "budget; then --max-num-batched-tokens (default max(8192, --max-num-seqs)) may be below --max-model-len "
+                        f"(default: on for a --max-model-len over {LONG_CONTEXT} tokens)")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="'int8': the linear layers' weights as int8 rows with a scale each, half the bytes per decode step")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",

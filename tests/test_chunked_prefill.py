@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.block_manager import BlockManager, blocks_needed
-from nanoserve.model_runner import EngineConfig, prepare_inputs, scheduler_config
+from nanoserve.model_runner import LONG_CONTEXT, EngineConfig, prepare_inputs, scheduler_config
 from nanoserve.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence, SequenceStatus
 from nanoserve.testing import save_tiny_model, tiny_model_dir
@@ -47,6 +47,21 @@ def test_config():
     assert scheduler_config(EngineConfig(enable_chunked_prefill=True), 32768).max_num_batched_tokens == 8192
     assert scheduler_config(EngineConfig(enable_chunked_prefill=True, max_num_seqs=10_000), 32768).max_num_batched_tokens == 10_000
     assert scheduler_config(EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=512), 32768).enable_chunked_prefill
+
+
+def test_long_contexts_chunk_unless_told_otherwise():
+    "enable_chunked_prefill=None (the default): chunks for a context over LONG_CONTEXT, whole prompts up to it; True/False decide."
+    assert LONG_CONTEXT == 32768
+    for context, chunks, budget in ((32768, False, 32768), (32769, True, 8192), (131072, True, 8192)):
+        c = scheduler_config(EngineConfig(), context)
+        assert (c.enable_chunked_prefill, c.max_num_batched_tokens) == (chunks, budget), context
+    c = scheduler_config(EngineConfig(max_model_len=4096), 131072)  # the engine's context decides, not the model's
+    assert (c.enable_chunked_prefill, c.max_num_batched_tokens) == (False, 8192)
+    c = scheduler_config(EngineConfig(enable_chunked_prefill=False), 131072)
+    assert (c.enable_chunked_prefill, c.max_num_batched_tokens) == (False, 131072)
+    assert scheduler_config(EngineConfig(enable_chunked_prefill=True), 1024).enable_chunked_prefill
+    with pytest.raises(ValueError, match=r"expected True, False or None \(on for contexts over 32768 tokens\)"):
+        EngineConfig(enable_chunked_prefill="auto")
 
 
 # --- the scheduler -------------------------------------------------------------------------------------------------
