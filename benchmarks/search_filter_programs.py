@@ -45,7 +45,7 @@ def filter_row(B: int, dtype: torch.dtype, device) -> dict:
 def decode_steps(output_len: int = 512) -> dict:
     "Milliseconds per step of LLM.generate at batch 1 and 8, prompts of 128 tokens, each setting both ways, twice."
     from nanoserve import LLM
-    llm = LLM(str(MODEL), load_format="dummy", gpu_memory_utilization=0.5)
+    llm = LLM(str(MODEL), load_format="dummy", gpu_memory_utilization=0.5, enable_chunked_prefill=False)  # as its records
     settings = {"greedy": dict(temperature=0), **SETTINGS}
     steps, phases = {}, {}
     for run in [f"{way}_{i}" for i in range(1, 4) for way in ("one_program", "shared")]:

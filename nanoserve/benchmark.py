@@ -199,7 +199,8 @@ def throughput_benchmark(model=None, num_prompts: int = 256, input_len=(100, 102
                         "ignore_eos": True, "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(n for _, n in requests)},
            "engine": {**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(llm.llm_engine.config).items()},
                       "dtype": str(runner.dtype), "num_kv_blocks": runner.num_blocks, "cuda_graphs": len(runner.graphs),
-                      "max_num_batched_tokens": runner.scheduler_config.max_num_batched_tokens, "max_model_len": runner.max_model_len}}
+                      "max_num_batched_tokens": runner.scheduler_config.max_num_batched_tokens, "max_model_len": runner.max_model_len,
+                      "enable_chunked_prefill": runner.scheduler_config.enable_chunked_prefill}}  # as resolved (None: by context)
     if runner.device.type == "cuda":
         res["copy_bytes_per_s"], res["matmul_flops_per_s"] = copy_bandwidth(runner.device), matmul_rate(runner.device, runner.dtype)
         res["floor"] = workload_floor(cfg, runner.dtype, requests, runner.config.max_num_seqs, res["copy_bytes_per_s"],

@@ -297,6 +297,19 @@ def test_engine_outputs_equal_with_and_without_chunks(arch, window, tmp_path):
         assert s.num_steps > 30  # the prompts went in chunks
 
 
+def test_an_engine_on_a_long_context_chunks_by_default(tmp_path):
+    "A model of 40,000 positions: its engine chunks prompts unless told not to, and both give the same tokens."
+    d = save_tiny_model("llama", tmp_path / "long", max_position_embeddings=40_000)
+    prompts, params = [[7 + i % 400 for i in range(300)], [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for chunks in (None, False):
+        llm = LLM(d, device="cpu", num_kv_blocks=64, enable_chunked_prefill=chunks)
+        s = llm.llm_engine.scheduler.config
+        assert (s.enable_chunked_prefill, s.max_num_batched_tokens) == ((True, 8192) if chunks is None else (False, 40_000))
+        outputs[chunks] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[None] == outputs[False]
+
+
 def test_a_prompt_longer_than_the_budget_runs_only_in_chunks():
     d = tiny_model_dir("llama")
     prompt = long_prompts()[3]  # 140 tokens

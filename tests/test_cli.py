@@ -162,6 +162,8 @@ def test_every_engine_option_has_a_flag():
     assert engine_options(build_parser().parse_args(["serve"])) == fields
     options = engine_options(build_parser().parse_args(["serve", "--quantization", "int8"]))
     assert EngineConfig(**options).quantization == "int8"
+    for flag, chunks in (("--enable-chunked-prefill", True), ("--no-enable-chunked-prefill", False)):  # None without either
+        assert engine_options(build_parser().parse_args(["serve", flag]))["enable_chunked_prefill"] is chunks
 
 
 def test_dtype_auto_is_accepted_as_in_vllm():

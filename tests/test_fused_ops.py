@@ -315,7 +315,7 @@ def test_sample_with_fused_penalties_draws_what_apply_penalties_draws(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "add_rms_norm", "rope"])
 def test_gpu_row_kernels_past_two_to_the_31_elements(op):
-    """A step of 131,072 tokens (Llama-3.1-8B's default budget) has 3.8e9 gate/up activations: offsets past 2**31 must not
+    """A step of 131,072 tokens (Llama-3.1-8B's budget without chunked prefill) has 3.8e9 gate/up activations: offsets past 2**31 must not
     wrap. The last rows of a tensor that large equal the same op on those rows alone (bf16, up to 4.3 GB an input)."""
     big = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     last = lambda t: t[-2:].clone()
