@@ -245,10 +245,13 @@ class ModelRunner:
                                doc="How many sequences of max_model_len tokens the KV pool holds at once.")
 
     def summary(self) -> str:
-        "One line on the KV cache: its blocks, its memory, and the concurrency it allows."
+        "One line on the KV cache (its blocks, its memory, the concurrency it allows), the steps' budget and the graphs."
+        s = self.scheduler_config
         return (f"KV cache: {self.num_blocks} blocks of {self.config.block_size} tokens ({self.cache.nbytes / 2**30:.2f} GiB, "
                 f"{self.cache_dtype}, {self.device}); max concurrency at {self.max_model_len} tokens per sequence: "
-                f"{self.max_concurrency:.2f}x; CUDA graphs for {len(self.graphs)} batch sizes and {len(self.prefill_graphs)} prompt lengths")
+                f"{self.max_concurrency:.2f}x; steps of up to {s.max_num_batched_tokens} tokens, prompts "
+                f"{'in chunks' if s.enable_chunked_prefill else 'whole'}; "
+                f"CUDA graphs for {len(self.graphs)} batch sizes and {len(self.prefill_graphs)} prompt lengths")
 
 # %% ../chapters/11a_model_runner.ipynb #408bd7c8
 def _graph_size(self: ModelRunner, out: SchedulerOutput) -> int | None:

@@ -306,6 +306,8 @@ def test_an_engine_on_a_long_context_chunks_by_default(tmp_path):
         llm = LLM(d, device="cpu", num_kv_blocks=64, enable_chunked_prefill=chunks)
         s = llm.llm_engine.scheduler.config
         assert (s.enable_chunked_prefill, s.max_num_batched_tokens) == ((True, 8192) if chunks is None else (False, 40_000))
+        assert ("steps of up to 8192 tokens, prompts in chunks" if chunks is None else "steps of up to 40000 tokens, prompts whole") \
+            in llm.llm_engine.runner.summary()  # the line the engine logs at start-up
         outputs[chunks] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[None] == outputs[False]
 
