@@ -294,6 +294,68 @@ def interleaved_decode(q, k_cache, v_cache, block_tables, context_lens, scale, o
     return merge_splits(out, part_out, part_m, part_l, num_splits, pdl)
 
 
+# ---- bounds: the library kernel with its arithmetic taken away, to see what the loads alone cost
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _bound_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+                  qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                  num_splits, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  PRECISION: tl.constexpr, DOTS: tl.constexpr, PDL: tl.constexpr):
+    """Chapter 9's decode kernel (same grid, splits, tiles and gather) without the online softmax: with DOTS the two
+    products stay (scores cast straight to the values' type), without them each tile's keys and values are only summed."""
+    _follow_early(PDL)
+    kh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    S = tl.load(lens_ptr + b)
+    split_len = ((S + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, S)
+    offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    heads = kh * G + offs_g
+    g_mask, d_mask = offs_g < G, offs_d < D
+    gd_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    sums = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < end
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_ptr + b * stride_bt, n, n_mask, kh * stride_ch,
+                             offs_d, d_mask, stride_cb, stride_cs, BLOCK_SIZE, False)
+        if DOTS:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            acc += tl.dot(s.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            sums += k.to(tl.float32) + v.to(tl.float32)
+    if not DOTS:
+        acc += tl.sum(sums, 0)[None, :]
+    m_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    _store_decode_result(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, b, heads, split, num_splits,
+                         stride_ob, stride_oh, offs_d, g_mask, gd_mask, H, D, SPLIT)
+
+
+def bound_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, dots=True):
+    "The library's splits, tiles and merge around _bound_kernel: a time with no softmax (dots) or no arithmetic at all."
+    _, block_size, K, D = k_cache.shape
+    B, H, _ = q.shape
+    out = torch.empty_like(q) if out is None else out
+    sms = kernels._num_sms(q.device)
+    num_splits = kernels.decode_num_splits(q, k_cache, block_tables)
+    block_n, num_warps, num_stages = kernels.decode_tile(K * B * num_splits / sms, D)
+    pdl = _pdl(q.device)
+    part_out, part_m, part_l = split_partials(B, H, num_splits, D, q.device)
+    _bound_kernel[(K, B, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_m, part_l,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_splits,
+        H=H, G=H // K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISION=_dot_precision(q.dtype), DOTS=dots,
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
+    return merge_splits(out, part_out, part_m, part_l, num_splits, pdl)
+
+
 # ---- TMA: one tensor-descriptor box per (block, KV head)
 
 
@@ -434,6 +496,12 @@ def measure(models, cells, designs, log) -> list:
                 if splits == 1 or S // splits >= 128:
                     runs[f"library/{splits} splits/n{tile[0]}w{tile[1]}s{tile[2]}"] = lambda splits=splits, tile=tile: (
                         _with_tile(tile, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)))
+        if "bound" in designs:  # not attention: times only, their errors are meaningless
+            runs["bound/no softmax"] = lambda: bound_decode(q, k_cache, v_cache, tables, lens, scale, out, dots=True)
+            runs["bound/loads only"] = lambda: bound_decode(q, k_cache, v_cache, tables, lens, scale, out, dots=False)
+            one_block = torch.zeros_like(tables)  # every position reads block 0: the same kernel with its keys in cache
+            runs["bound/library, keys in cache"] = (
+                lambda: paged_decode_attention(q, k_cache, v_cache, one_block, lens, scale, out=out))
         if "TMA" in designs:
             for tile in TMA_TILES[D]:
                 runs[f"TMA/b{tile[0]}w{tile[1]}s{tile[2]}"] = (
@@ -518,7 +586,7 @@ FILL_TILES = {  # (BLOCK_N, warps, stages): 7 stages hold three tiles, 5 two (--
     64: [(128, 4, 3), (64, 4, 7), (64, 2, 7), (64, 4, 5), (64, 4, 6), (128, 4, 5), (64, 4, 9)],
     128: [(128, 4, 3), (64, 2, 3), (32, 2, 7), (32, 4, 7), (64, 4, 5), (32, 4, 5), (32, 2, 9)]}
 FILL_SPLITS = {8: [4, 7, 8, 9, 12, 16], 64: [1, 2], 256: [1]}
-DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide", "fill")
+DESIGNS = ("stream-K", "interleaved", "deep", "TMA", "blocks", "wide", "fill", "bound")
 BLOCK_SIZES = (32, 64, 256)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 
