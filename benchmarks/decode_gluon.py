@@ -128,11 +128,79 @@ def _attend_partition(q_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l
 
 
 @gluon.jit
+def _attend_per_warp_partition(q_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, k_bufs, v_bufs, ready,
+                               empty, qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, num_splits,
+                               H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_G: gl.constexpr,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, W: gl.constexpr):
+    """The default warps, each on its own BLOCK_N / W positions of every tile with its own running max, sum and output,
+    so no step waits for another warp; the W partial results are merged once, at the end (flash-decoding inside one
+    program). A batched mma: dimension 0 is the warp."""
+    kh, b, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    start, end = _split_range(lens_ptr, b, split, num_splits, BLOCK_N)
+    NW: gl.constexpr = BLOCK_N // W
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    KW: gl.constexpr = 8 if NW >= 32 else 4  # an operand's K must be at least 4 * k_width
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    wg: gl.constexpr = gl.SliceLayout(2, mma)  # (W, G): a warp's running max and sum per query head
+    wn: gl.constexpr = gl.SliceLayout(1, mma)  # (W, NW): the positions each warp reads
+    gd: gl.constexpr = gl.SliceLayout(0, mma)  # (G, D): the merged output
+    offs_w = gl.arange(0, W, layout=gl.SliceLayout(1, wg))
+    offs_g = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, wg))
+    offs_d3 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    heads = kh * G + offs_g
+    q_ptrs = q_ptr + b * stride_qb + heads[None, :, None] * stride_qh + offs_d3[None, None, :] + 0 * offs_w[:, None, None]
+    q = gl.load(q_ptrs, mask=(offs_g < G)[None, :, None], other=0.0)  # (W, G, D): every warp its own copy
+    q = gl.convert_layout(q, a_op)
+    pos = (gl.arange(0, W, layout=gl.SliceLayout(1, wn))[:, None] * NW
+           + gl.arange(0, NW, layout=gl.SliceLayout(0, wn))[None, :])  # (W, NW) offsets in a tile
+    m_i = gl.full([W, BLOCK_G], float("-inf"), gl.float32, wg)
+    l_i = gl.zeros([W, BLOCK_G], gl.float32, wg)
+    acc = gl.zeros([W, BLOCK_G, D], gl.float32, mma)
+    i = 0
+    for n0 in range(start, end, BLOCK_N):
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        k = k_bufs.index(stage).reshape([W, NW, D]).permute((0, 2, 1)).load(b_op)  # (W, D, NW)
+        v = v_bufs.index(stage).reshape([W, NW, D]).load(b_op)  # (W, NW, D)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(stage), count=1)
+        s = mma_v2(q, k, gl.zeros([W, BLOCK_G, NW], gl.float32, mma)) * qk_scale
+        s = gl.where((n0 + pos < end)[:, None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp may have seen no position yet
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, :, None])
+        l_i = l_i * alpha + gl.sum(p, 2)
+        acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, :, None])
+        m_i = m_new
+        i += 1
+    m = gl.max(m_i, 0)  # (G,) across the warps
+    weight = gl.exp2(m_i - gl.where(m == float("-inf"), 0.0, m)[None, :])  # (W, G)
+    l_sum = gl.sum(l_i * weight, 0)
+    o = gl.sum(acc * weight[:, :, None], 0)  # (G, D)
+    offs_gr = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, gd))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, gd))
+    gd_mask = (offs_gr < G)[:, None] & (offs_d < D)[None, :]
+    if SPLIT:
+        part = (b * H + heads) * num_splits + split
+        gl.store(part_m_ptr + part, m, mask=offs_g < G)
+        gl.store(part_l_ptr + part, l_sum, mask=offs_g < G)
+        part_r = (b * H + kh * G + offs_gr) * num_splits + split
+        gl.store(part_out_ptr + part_r[:, None] * D + offs_d[None, :], o, mask=gd_mask)
+    else:
+        l_r = gl.convert_layout(l_sum, gl.SliceLayout(1, gd))
+        o = o / gl.where(l_r == 0.0, 1.0, l_r)[:, None]
+        gl.store(out_ptr + b * stride_ob + (kh * G + offs_gr)[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+@gluon.jit
 def _ws_decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qk_scale,
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, num_splits,
                       H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, D: gl.constexpr, BLOCK_G: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                      NUM_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, BOUND: gl.constexpr):
+                      NUM_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, BOUND: gl.constexpr, PER_WARP: gl.constexpr):
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -140,13 +208,19 @@ def _ws_decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, lens_ptr, out_ptr, part_out
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    gl.warp_specialize([
-        (_attend_partition, (q_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, k_bufs, v_bufs, ready, empty,
-                             qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, num_splits,
-                             H, G, D, BLOCK_G, BLOCK_N, STAGES, SPLIT, NUM_WARPS, BOUND)),
-        (_load_partition, (k_desc, v_desc, bt_ptr, lens_ptr, stride_bt, num_splits, k_bufs, v_bufs, ready, empty,
-                           K, BLOCK_SIZE, BLOCK_N, STAGES)),
-    ], [1], [LOAD_REGS])
+    if PER_WARP:
+        gl.warp_specialize([(_attend_per_warp_partition, (
+            q_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, k_bufs, v_bufs, ready, empty, qk_scale,
+            stride_qb, stride_qh, stride_ob, stride_oh, num_splits, H, G, D, BLOCK_G, BLOCK_N, STAGES, SPLIT, NUM_WARPS)),
+            (_load_partition, (k_desc, v_desc, bt_ptr, lens_ptr, stride_bt, num_splits, k_bufs, v_bufs, ready,
+                                 empty, K, BLOCK_SIZE, BLOCK_N, STAGES))], [1], [LOAD_REGS])
+    else:
+        gl.warp_specialize([(_attend_partition, (
+            q_ptr, lens_ptr, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, k_bufs, v_bufs, ready, empty, qk_scale,
+            stride_qb, stride_qh, stride_ob, stride_oh, num_splits, H, G, D, BLOCK_G, BLOCK_N, STAGES, SPLIT, NUM_WARPS,
+            BOUND)),
+            (_load_partition, (k_desc, v_desc, bt_ptr, lens_ptr, stride_bt, num_splits, k_bufs, v_bufs, ready,
+                                 empty, K, BLOCK_SIZE, BLOCK_N, STAGES))], [1], [LOAD_REGS])
 
 
 def pool_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -160,9 +234,11 @@ def pool_rows(cache: torch.Tensor) -> torch.Tensor:
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, num_splits=None, block_n=128, stages=3,
-              maxnreg=128, load_regs=40, bound=False):
-    "Paged decode attention by _ws_decode_kernel with chapter 9's splits (or these) and merge."
+def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, num_splits=None, tile=(128, 2, 128, 4, True),
+              load_regs=40, bound=False):
+    """Paged decode attention by _ws_decode_kernel with chapter 9's splits (or these) and merge;
+    tile = (BLOCK_N, STAGES, maxnreg, attention warps, each warp on its own positions)."""
+    block_n, stages, maxnreg, num_warps, per_warp = tile
     _, block_size, K, D = k_cache.shape
     B, H, _ = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -176,8 +252,8 @@ def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, 
         q, k_desc, v_desc, block_tables, context_lens, out, part_out, part_m, part_l, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_splits,
         H=H, G=H // K, K=K, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // K)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, STAGES=stages, SPLIT=num_splits > 1, NUM_WARPS=4, LOAD_REGS=load_regs, BOUND=bound,
-        num_warps=4, maxnreg=maxnreg)
+        BLOCK_N=block_n, STAGES=stages, SPLIT=num_splits > 1, NUM_WARPS=num_warps, LOAD_REGS=load_regs, BOUND=bound,
+        PER_WARP=per_warp and not bound, num_warps=num_warps, maxnreg=maxnreg)
     if num_splits > 1:
         _decode_reduce_kernel[(B, H)](out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits, H=H, D=D,
                                       BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(D),
@@ -199,16 +275,29 @@ def check(log) -> dict:
         lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
         q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
         ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, D**-0.5, num_splits=1).float()
-        for splits, (block_n, stages) in itertools.product((1, 3, 8), ((128, 3), (64, 4))):
-            got = ws_decode(q, k_cache, v_cache, tables, lens, D**-0.5, num_splits=splits, block_n=block_n, stages=stages)
-            worst[f"{model} splits={splits} n{block_n}s{stages}"] = (got.float() - ref).abs().max().item()
+        for splits, tile in itertools.product((1, 3, 8), VARIANTS[D]):
+            got = ws_decode(q, k_cache, v_cache, tables, lens, D**-0.5, num_splits=splits, tile=tile)
+            worst[f"{model} splits={splits} {tile_name(tile)}"] = (got.float() - ref).abs().max().item()
     log(f"max abs error against the library kernel: {max(worst.values())}")
     return worst
 
 
-VARIANTS = {  # head_dim -> (BLOCK_N, STAGES, maxnreg): shared memory holds 2 programs an SM at 96 KB each
-    64: [(128, 3, 128), (64, 6, 128), (128, 2, 128), (64, 3, 80)],
-    128: [(64, 3, 128), (32, 6, 128), (64, 2, 128), (32, 3, 80)]}
+VARIANTS = {  # head_dim -> (BLOCK_N, STAGES, maxnreg, attention warps, per warp): maxnreg 128 holds 2 programs an SM, 80 3
+    # (4 warps) or 2 (8 warps); a stage is 32 KB of keys and values in both shapes
+    64: [(128, 2, 128, 4, False), (128, 2, 128, 4, True), (128, 3, 128, 4, True), (128, 2, 80, 4, True),
+         (128, 2, 80, 8, True)],
+    128: [(64, 2, 128, 4, False), (64, 2, 128, 4, True), (64, 3, 128, 4, True), (64, 2, 80, 4, True)]}
+
+
+def tile_name(tile) -> str:
+    block_n, stages, maxnreg, warps, per_warp = tile
+    return f"n{block_n}s{stages}r{maxnreg}w{warps}{'p' if per_warp else ''}"
+
+
+def resident(tile) -> int:
+    "Programs an SM holds: 65,536 registers over maxnreg x (attention warps + a warp group for the load warp) x 32."
+    _, _, maxnreg, warps, _ = tile
+    return 65536 // (maxnreg * (warps + 4) * 32)
 CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 
 
@@ -225,16 +314,15 @@ def measure(models, bound, log) -> list:
         row = {"model": model, "batch": B, "context": S, "library_splits": lib_splits, "us": {}, "max_abs_error": {},
                "failed": {}}
         runs = {"library": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)}
-        two_per_sm = max(1, round(2 * kernels._num_sms(q.device) / (B * K)))  # splits for ~2 programs an SM
-        for (block_n, stages, regs), splits in itertools.product(VARIANTS[D], sorted({lib_splits, two_per_sm, 2 * two_per_sm})):
-            if splits > 1 and S // splits < block_n: continue
-            runs[f"ws/n{block_n}s{stages}r{regs}/{splits} splits"] = (
-                lambda block_n=block_n, stages=stages, regs=regs, splits=splits: ws_decode(
-                    q, k_cache, v_cache, tables, lens, scale, out, splits, block_n, stages, regs))
-            if bound:
-                runs[f"bound/n{block_n}s{stages}r{regs}/{splits} splits"] = (
-                    lambda block_n=block_n, stages=stages, regs=regs, splits=splits: ws_decode(
-                        q, k_cache, v_cache, tables, lens, scale, out, splits, block_n, stages, regs, bound=True))
+        for tile in VARIANTS[D]:
+            wave = max(1, round(resident(tile) * kernels._num_sms(q.device) / (B * K)))  # splits for one wave
+            for splits in sorted({lib_splits, wave, 2 * wave}):
+                if splits > 1 and S // splits < tile[0]: continue
+                runs[f"ws/{tile_name(tile)}/{splits} splits"] = lambda tile=tile, splits=splits: ws_decode(
+                    q, k_cache, v_cache, tables, lens, scale, out, splits, tile)
+                if bound and not tile[4]:
+                    runs[f"bound/{tile_name(tile)}/{splits} splits"] = lambda tile=tile, splits=splits: ws_decode(
+                        q, k_cache, v_cache, tables, lens, scale, out, splits, tile, bound=True)
         runs["library again"] = runs["library"]
         for name, fn in runs.items():
             try:
