@@ -620,6 +620,21 @@ def test_gpu_prefill_real_shapes(shape, block_size):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_prefill_rows_past_two_to_the_31_elements():
+    """Query and output rows whose offset, row x stride, passes 2**31 (as a step of 256k rows of 64 x 128 would): the tile's
+    first row is addressed in 64 bits. Rows 2**29 elements apart in two 4.3 GB buffers (the last starts at 2**31), against
+    compact copies."""
+    q, k_cache, v_cache, tables, lens, cu = paged_batch([5, 1, 70], [1, 1, 3], 8, 2, 64, 16, torch.bfloat16, seed=17)
+    T, H, D = q.shape
+    apart = lambda: torch.empty(2**29 * (T - 1) + H * D, dtype=torch.bfloat16, device="cuda").as_strided((T, H, D), (2**29, D, 1))
+    q_far, out_far = apart(), apart()
+    q_far.copy_(q)
+    got = paged_prefill_attention(q_far, k_cache, v_cache, tables, lens, cu, D**-0.5, out=out_far)
+    assert torch.equal(got.clone(), prefill(q, k_cache, v_cache, tables, lens, cu))
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gpu_sliding_windows_real_shapes(shape):
     H, K, D = SHAPES[shape]
