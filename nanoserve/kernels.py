@@ -7,7 +7,7 @@ __all__ = ['DECODE_TILES', 'DECODE_PROGRAMS_PER_SM', 'DECODE_ONE_WAVE', 'DECODE_
            'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_NUM_STAGES', 'PREFILL_LONGEST_FIRST',
            'FP8', 'QUERY_DTYPES', 'CACHE_DTYPES', 'DECODE_TILES_FP8', 'STORE_BLOCK_T', 'decode_attention_bytes',
            'interpreting', 'store_kv', 'choose_num_splits', 'decode_tile', 'resident_programs', 'decode_num_splits',
-           'paged_decode_attention', 'paged_prefill_attention', 'TritonPagedAttention']
+           'paged_decode_attention', 'offsets_pass_int32', 'paged_prefill_attention', 'TritonPagedAttention']
 
 # %% ../chapters/09_paged_attention.ipynb #ea379e57
 import math, os
@@ -448,23 +448,22 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, window,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False):
+                    WINDOWED: tl.constexpr, FP16_DOTS: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False,
+                    WIDE_ROWS: tl.constexpr = False):
     tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LONGEST_FIRST:  # programs start in the order of their ids: the tiles with the most keys first, the shortest last
         tile = tl.num_programs(0) - 1 - tile
     q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if WIDE_ROWS:  # rows x stride pass 2**31 (256k rows of 64 heads x 128): 64-bit offsets, as chapter 9b's row kernels
+        q_start = q_start.to(tl.int64)  # (only then: 64-bit offsets for every row cost heads of 64 up to 13 %)
+    q_len = (tl.load(cu_ptr + b + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:  # past this prompt's end
         return
     S = tl.load(lens_ptr + b)
     offs_m, offs_d, offs_n = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     pos = S - q_len + offs_m  # (M,) each query's position in its sequence
     md_mask = (offs_m < q_len)[:, None] & (offs_d < D)[None, :]
-    # the tile's first row in 64 bits, as chapter 9b's row kernels (rows x H x D pass 2**31 at 256k rows of 64 x 128);
-    # offsets within the tile stay 32-bit (64-bit ones for every row made prefill 6-12 % slower for heads of 64)
-    rows = (q_start + tile * BLOCK_M).to(tl.int64)
-    tile_rows = tl.arange(0, BLOCK_M)[:, None]
-    q = tl.load(q_ptr + rows * stride_qt + tile_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     elif FP16_DOTS:  # as in decode
@@ -496,10 +495,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
             valid = valid & (n[None, :] > pos[:, None] - window)
         acc, m_i, l_i = _online_softmax_step(q, k, v, valid, acc, m_i, l_i, qk_scale, PRECISION, WINDOWED)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + rows * stride_ot + tile_rows * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=md_mask)
 
 # %% ../chapters/09_paged_attention.ipynb #2a787301
+def offsets_pass_int32(*tensors: torch.Tensor) -> bool:
+    "Whether an element of any of these tensors lies 2**31 or more elements past its first, where 32-bit offsets wrap."
+    return any(t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
+
 def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all sequences, flattened
                             k_cache: torch.Tensor, v_cache: torch.Tensor,  # (num_blocks, block_size, K, D), new keys already stored
                             block_tables: torch.Tensor,  # (B, max_blocks) int32
@@ -539,7 +542,7 @@ def paged_prefill_attention(q: torch.Tensor,  # (T, H, D): the new tokens of all
         G=G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=interpreting(), PRECISION=_dot_precision(q.dtype),
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, WINDOWED=window is not None, FP16_DOTS=_fp16_dots(q, k_cache),
-        LONGEST_FIRST=PREFILL_LONGEST_FIRST)
+        LONGEST_FIRST=PREFILL_LONGEST_FIRST, WIDE_ROWS=offsets_pass_int32(q, out))
     return out
 
 # %% ../chapters/09_paged_attention.ipynb #4920fc9b

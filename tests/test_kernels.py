@@ -618,6 +618,23 @@ def test_gpu_prefill_real_shapes(shape, block_size):
     assert torch.equal(outs[False], outs[True])  # only the order in which the programs start differs
 
 
+def test_offsets_pass_int32_at_the_last_element():
+    "Whether the largest element offset, sum((size - 1) * stride), reaches 2**31 (meta tensors: strides without storage)."
+    view = lambda shape, strides: torch.empty(0, device="meta").as_strided(shape, strides)
+    assert not kernels.offsets_pass_int32(torch.empty(0), torch.zeros(5, 3))
+    assert not kernels.offsets_pass_int32(view((2, 64, 128), (2**31 - 8192, 128, 1)))  # last element at 2**31 - 1
+    assert kernels.offsets_pass_int32(torch.zeros(2), view((2, 64, 128), (2**31 - 8191, 128, 1)))  # ... at 2**31
+    assert not kernels.offsets_pass_int32(view((2**40, 8), (0, 1)))  # a broadcast row repeats: offsets stay small
+
+
+def test_prefill_with_64_bit_rows_equals_32_bit_rows(monkeypatch):
+    "WIDE_ROWS (taken only past 2**31) computes the same attention as the 32-bit offsets."
+    args = paged_batch([40, 3, 17], [40, 1, 5], 4, 2, 16, 8, seed=18)
+    narrow = prefill(*args)
+    monkeypatch.setattr(kernels, "offsets_pass_int32", lambda *tensors: True)
+    assert torch.equal(prefill(*args), narrow)
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_prefill_rows_past_two_to_the_31_elements():
