@@ -454,8 +454,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     if LONGEST_FIRST:  # programs start in the order of their ids: the tiles with the most keys first, the shortest last
         tile = tl.num_programs(0) - 1 - tile
     q_start = tl.load(cu_ptr + b)
-    if WIDE_ROWS:  # rows x stride pass 2**31 (256k rows of 64 heads x 128): 64-bit offsets, as chapter 9b's row kernels
-        q_start = q_start.to(tl.int64)  # (only then: 64-bit offsets for every row cost heads of 64 up to 13 %)
+    if WIDE_ROWS:  # rows x stride pass 2**31 (256k rows of 64 heads x 128): 64-bit offsets (below)
+        q_start = q_start.to(tl.int64)
     q_len = (tl.load(cu_ptr + b + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:  # past this prompt's end
         return
