@@ -1,4 +1,4 @@
-"""Three decode-attention designs measured against nanoserve.kernels.paged_decode_attention and SDPA, and not adopted.
+"""Decode-attention designs measured against nanoserve.kernels.paged_decode_attention and SDPA, and not adopted.
 
 Issue 4 asks the paged decode kernel never to be slower than torch's scaled_dot_product_attention on contiguous K/V at
 batch >= 8. After the tiles, grid order and head-major blocks of chapters 9 and 13, three gaps remain: batch 8 x
@@ -27,6 +27,11 @@ _store_decode_result, the same stores moved into a shared function):
   TMA          keys and values copied by the Hopper tensor-memory accelerator: a host tensor descriptor over the
                head-major pool seen as (blocks * K * block_size, D) rows, one (block_size, D) box per block and head,
                so no thread computes a gather address; BLOCKS_PER_TILE boxes per iteration.
+  bound        not attention, times only (chapter 13, section 11): the library kernel's grid, splits, tiles, gather and
+               merge with no softmax (the two products stay, the scores cast straight to the values' type) and with
+               nothing but the loads (each tile summed); and the library kernel with every position reading block 0.
+               That last one is no compute bound: every program reads the same lines, and at batch 256 it was slower
+               than reading the whole pool.
 
 Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 flushed, as paged_attention.py.
 

@@ -17,6 +17,7 @@ specialisation), and Triton 3.6 or later; under TRITON_INTERPRET nothing here ru
 
     python benchmarks/decode_gluon.py --out decode_gluon.json     # check against the library kernel, then time
     python benchmarks/decode_gluon.py --bound                      # also the load warp alone (no attention)
+    python benchmarks/decode_gluon.py --compile     # what each variant compiles to for sm_90 (no GPU needed)
 
 Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 flushed, as paged_attention.py.
 Progress goes to stderr; stdout gets only the JSON.
@@ -346,14 +347,44 @@ def measure(models, bound, log) -> list:
     return rows
 
 
+def compiled(tile, head_dim: int, group: int, bound: bool = False) -> dict:
+    "What _ws_decode_kernel compiles to for sm_90 with this tile (no GPU needed): TMA copies, mma.sync, register hand-offs."
+    import re
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    block_n, stages, maxnreg, warps, per_warp = tile
+    layout = gl.NVMMASharedLayout.get_default_for([16, head_dim], gl.bfloat16)
+    desc = f"tensordesc<bf16[16,{head_dim}],{layout!r}>"
+    fn = _ws_decode_kernel
+    constexprs = dict(H=8 * group, G=group, K=8, D=head_dim, BLOCK_G=16, BLOCK_SIZE=16, BLOCK_N=block_n, STAGES=stages,
+                      SPLIT=True, NUM_WARPS=warps, LOAD_REGS=40, BOUND=bound, PER_WARP=per_warp and not bound)
+    types = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "bt_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*bf16",
+             "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name.endswith("_ptr") or name in ("stride_qb", "stride_qh", "stride_ob", "stride_oh")}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
+    ptx = kernel.asm["ptx"]
+    return {"tma_copies": ptx.count("cp.async.bulk.tensor"), "mma_sync": ptx.count("mma.sync"),
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+            "shared_bytes": kernel.metadata.shared}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--models", nargs="+", default=["Llama-3.2-1B", "Qwen3-0.6B"])
     ap.add_argument("--bound", action="store_true", help="also time the load warp alone (the attention warps only free tiles)")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="print what each variant compiles to for sm_90 and exit")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
+    if args.compile:
+        print(json.dumps({"triton": triton.__version__, "sm_90": {
+            f"D={d} {tile_name(tile)}{' bound' * bound}": compiled(tile, d, 4 if d == 64 else 2, bound)
+            for d, tiles in VARIANTS.items() for tile in tiles for bound in (False, True) if not (bound and tile[4])}}, indent=1))
+        return
     sys.path.insert(0, str(Path(__file__).parent))
     import paged_attention as pa
     t0 = time.monotonic()

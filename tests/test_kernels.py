@@ -780,6 +780,25 @@ def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stage
     assert buffers == {str(s): 0 if s == 1 else max(1, (s - 1) // 2) for s in range(1, 10)}, buffers
 
 
+def test_the_warp_specialised_gluon_kernel_compiles_for_hopper():
+    """benchmarks/decode_gluon.py (chapter 13, section 11) still compiles for sm_90 with this Triton, into what the chapter says:
+    TMA copies of 16 positions (BLOCK_N / 16 boxes each for keys and values; a head of 128 bf16, wider than the 128-byte
+    swizzle, goes as two copies), tensor-core products unless only loading, and registers handed from the load warp's group to
+    the attention warps."""
+    import json, os, subprocess, sys
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "benchmarks" / "decode_gluon.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, no GPU needed
+    done = subprocess.run([sys.executable, str(script), "--compile"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    variants = json.loads(done.stdout)["sm_90"]
+    assert len(variants) == 11
+    for name, v in variants.items():
+        head_dim, block_n = int(name.split(" ")[0][2:]), int(name.split(" n")[1].split("s")[0])
+        assert v["tma_copies"] == 2 * block_n // 16 * head_dim // 64 and (v["mma_sync"] == 0) == name.endswith("bound"), (name, v)
+        assert 24 in v["setmaxnreg"] and max(v["setmaxnreg"]) > 40, (name, v)  # the load warp's group gives registers up
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
