@@ -42,7 +42,7 @@ Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, datetime, itertools, json, math, os, sys, time
+import argparse, itertools, json, math, sys, time
 from pathlib import Path
 
 import torch
@@ -467,13 +467,11 @@ def cpu_check() -> dict:
 def measure(models, cells, designs, log) -> list:
     "Per (model, B, S): the library kernel, the chosen designs (stream-K, interleaved, deep, TMA, blocks) and SDPA (us)."
     import paged_attention as pa
-    us = lambda fn: round(pa.bench(pa.graphed(fn))["ms"] * 1e3, 2)
+    us = pa.graphed_us
     rows = []
     for model, (B, S) in itertools.product(models, cells):
         H, K, D = pa.MODELS[model]
-        q, k_cache, v_cache, tables, lens = pa.paged_inputs(B, S, H, K, D, 16)
-        out, scale = torch.empty_like(q), D**-0.5
-        ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale).float()
+        q, k_cache, v_cache, tables, lens, out, scale, ref = pa.decode_case(model, B, S)
         sms = kernels._num_sms(q.device)
         runs = {"library": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)}
         if "stream-K" in designs:
@@ -513,16 +511,7 @@ def measure(models, cells, designs, log) -> list:
                     lambda tile=tile: tma_decode(q, k_cache, v_cache, tables, lens, scale, out, tile))
         runs["library again"] = runs["library"]
         row = {"model": model, "batch": B, "context": S, "us": {}, "max_abs_error": {}, "failed": {}}
-        def time_it(name, fn):
-            try:
-                fn()
-                row["max_abs_error"][name] = (out.float() - ref).abs().max().item()
-                row["us"][name] = us(fn)
-            except Exception as e:  # a tile that does not fit (shared memory) is reported, not fatal
-                row["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                log(f"  {name} failed: {row['failed'][name]}")
-        for name, fn in runs.items():
-            time_it(name, fn)
+        pa.time_designs(runs, out, ref, row, log)
         if "blocks" in designs:
             order = torch.arange(tables.numel(), device=tables.device, dtype=torch.int32).view_as(tables)
             row["us"]["library/blocks in order"] = us(lambda: paged_decode_attention(q, k_cache, v_cache, order, lens, scale, out=out))
@@ -617,16 +606,9 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).parent))
     import paged_attention as pa
     t0 = time.monotonic()
-    res = {"benchmark": "decode_alternatives", "device": torch.cuda.get_device_name(), "sms": kernels._num_sms(torch.device("cuda")),
-           "versions": {"torch": torch.__version__, "triton": triton.__version__},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           **pa.git_commit(), "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed; microseconds",
-           "designs": args.designs, "rows": measure(args.models, CELLS, args.designs, log)}
+    res = {**pa.run_header("decode_alternatives"), "designs": args.designs, "rows": measure(args.models, CELLS, args.designs, log)}
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(res, indent=1)
-    if args.out: args.out.write_text(text + "\n")
-    print(text)
-
+    pa.emit(res, args.out)
 
 if __name__ == "__main__":
     main()

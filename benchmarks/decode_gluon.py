@@ -22,7 +22,7 @@ specialisation), and Triton 3.6 or later; under TRITON_INTERPRET nothing here ru
 Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 flushed, as paged_attention.py.
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, datetime, itertools, json, math, sys, time
+import argparse, itertools, json, math, sys, time
 from pathlib import Path
 
 import torch
@@ -304,13 +304,11 @@ CELLS = [(b, s) for b in (8, 64, 256) for s in (512, 4096, 16384)]
 
 def measure(models, bound, log) -> list:
     import paged_attention as pa
-    us = lambda fn: round(pa.bench(pa.graphed(fn))["ms"] * 1e3, 2)
+    us = pa.graphed_us
     rows = []
     for model, (B, S) in itertools.product(models, CELLS):
         H, K, D = pa.MODELS[model]
-        q, k_cache, v_cache, tables, lens = pa.paged_inputs(B, S, H, K, D, 16)
-        out, scale = torch.empty_like(q), D**-0.5
-        ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale).float()
+        q, k_cache, v_cache, tables, lens, out, scale, ref = pa.decode_case(model, B, S)
         lib_splits = kernels.decode_num_splits(q, k_cache, tables)
         row = {"model": model, "batch": B, "context": S, "library_splits": lib_splits, "us": {}, "max_abs_error": {},
                "failed": {}}
@@ -325,14 +323,7 @@ def measure(models, bound, log) -> list:
                     runs[f"bound/{tile_name(tile)}/{splits} splits"] = lambda tile=tile, splits=splits: ws_decode(
                         q, k_cache, v_cache, tables, lens, scale, out, splits, tile, bound=True)
         runs["library again"] = runs["library"]
-        for name, fn in runs.items():
-            try:
-                fn()
-                row["max_abs_error"][name] = (out.float() - ref).abs().max().item()
-                row["us"][name] = us(fn)
-            except Exception as e:
-                row["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                log(f"  {name} failed: {row['failed'][name]}")
+        pa.time_designs(runs, out, ref, row, log)
         k4, v4 = pa.contiguous_kv(k_cache, tables, S), pa.contiguous_kv(v_cache, tables, S)
         del k_cache, v_cache
         row["sdpa_us"] = min(us(pa.sdpa_call(q[:, :, None], k4, v4, scale, pa.sdpa_backends()[n])) for n in ("default", "cudnn"))
@@ -388,19 +379,12 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).parent))
     import paged_attention as pa
     t0 = time.monotonic()
-    res = {"benchmark": "decode_gluon", "device": torch.cuda.get_device_name(), "sms": kernels._num_sms(torch.device("cuda")),
-           "versions": {"torch": torch.__version__, "triton": triton.__version__},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
-           "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed; microseconds",
-           "check": check(log)}
+    res = {**pa.run_header("decode_gluon"), "check": check(log)}
     res["check_passed"] = max(res["check"].values()) < 0.02
     if not args.check_only and res["check_passed"]:
         res["rows"] = measure(args.models, args.bound, log)
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(res, indent=1)
-    if args.out: args.out.write_text(text + "\n")
-    print(text)
-
+    pa.emit(res, args.out)
 
 if __name__ == "__main__":
     main()

@@ -8,11 +8,10 @@ in microseconds.
 
     python benchmarks/prefill_row_offsets.py --out prefill_row_offsets.json
 """
-import argparse, datetime, json, sys
+import argparse, sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -49,14 +48,7 @@ def main(argv=None):
                        equal_outputs=all(torch.equal(runs[0][1], r[1]) for r in runs))
             print(row, file=sys.stderr)
             rows.append(row)
-    res = {"benchmark": "prefill_row_offsets", "device": torch.cuda.get_device_name(),
-           "versions": {"torch": torch.__version__, "triton": triton.__version__},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **pa.git_commit(),
-           "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed; microseconds", "rows": rows}
-    text = json.dumps(res, indent=1)
-    if args.out: args.out.write_text(text + "\n")
-    print(text)
-
+    pa.emit({**pa.run_header("prefill_row_offsets"), "rows": rows}, args.out)
 
 if __name__ == "__main__":
     main()
