@@ -161,7 +161,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
                      SATURATE: tl.constexpr = 0):  # an 8-bit cache's largest value: larger ones are stored as it (0: none)
     _follow_early(PDL)
     tile, h = tl.program_id(0), tl.program_id(1)  # BLOCK_T tokens, one KV head
-    t, offs_d = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)  # 64 bits, as in prefill
+    t, offs_d = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)  # 64 bits: tokens x K x D may pass 2**31
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)  # (BLOCK_T,)
     mask = (slot >= 0)[:, None] & (offs_d < D)[None, :]  # (BLOCK_T, D): nothing for slot -1 or past T
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch  # (BLOCK_T,)
@@ -454,8 +454,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, lens_ptr, cu_ptr, o
     if LONGEST_FIRST:  # programs start in the order of their ids: the tiles with the most keys first, the shortest last
         tile = tl.num_programs(0) - 1 - tile
     q_start = tl.load(cu_ptr + b)
-    if WIDE_ROWS:  # rows x stride pass 2**31 (256k rows of 64 heads x 128): 64-bit offsets (below)
-        q_start = q_start.to(tl.int64)
+    if WIDE_ROWS:  # an offset of q or out passes 2**31 (256k rows of 64 heads x 128): 64-bit offsets (below)
+        q_start, h = q_start.to(tl.int64), h.to(tl.int64)
     q_len = (tl.load(cu_ptr + b + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:  # past this prompt's end
         return

@@ -628,25 +628,31 @@ def test_offsets_pass_int32_at_the_last_element():
 
 
 def test_prefill_with_64_bit_rows_equals_32_bit_rows(monkeypatch):
-    "WIDE_ROWS (taken only past 2**31) computes the same attention as the 32-bit offsets."
+    "WIDE_ROWS, which the wrapper asks offsets_pass_int32 for with q and out, computes the same attention as 32-bit offsets."
     args = paged_batch([40, 3, 17], [40, 1, 5], 4, 2, 16, 8, seed=18)
     narrow = prefill(*args)
-    monkeypatch.setattr(kernels, "offsets_pass_int32", lambda *tensors: True)
-    assert torch.equal(prefill(*args), narrow)
+    asked = []
+    monkeypatch.setattr(kernels, "offsets_pass_int32", lambda *tensors: asked.append(tensors) or True)
+    wide = prefill(*args)
+    assert torch.equal(wide, narrow)
+    assert len(asked) == 1 and asked[0][0] is args[0] and asked[0][1] is wide  # q, and the output it returned
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_prefill_rows_past_two_to_the_31_elements():
-    """Query and output rows whose offset, row x stride, passes 2**31 (as a step of 256k rows of 64 x 128 would): the tile's
-    first row is addressed in 64 bits. Rows 2**29 elements apart in two 4.3 GB buffers (the last starts at 2**31), against
-    compact copies."""
+@pytest.mark.parametrize("wide", ["q and out rows", "out rows", "q heads"])
+def test_gpu_prefill_offsets_past_two_to_the_31_elements(wide):
+    """Offsets of q or out past 2**31, as a step of 256k rows of 64 heads x 128 would have: WIDE_ROWS makes every row's and
+    head's offset 64-bit. Views 2**29 elements apart (a row, or a head) in buffers of 4.3-7.5 GB, against compact copies."""
     q, k_cache, v_cache, tables, lens, cu = paged_batch([5, 1, 70], [1, 1, 3], 8, 2, 64, 16, torch.bfloat16, seed=17)
-    T, H, D = q.shape
-    apart = lambda: torch.empty(2**29 * (T - 1) + H * D, dtype=torch.bfloat16, device="cuda").as_strided((T, H, D), (2**29, D, 1))
-    q_far, out_far = apart(), apart()
-    q_far.copy_(q)
-    got = paged_prefill_attention(q_far, k_cache, v_cache, tables, lens, cu, D**-0.5, out=out_far)
+    T, H, D = q.shape  # rows 2**29 apart: row 4 starts at 2**31; heads 2**29 apart: head 7 at 3.5 * 2**30
+    rows_apart = lambda: torch.empty(2**29 * (T - 1) + H * D, dtype=torch.bfloat16, device="cuda").as_strided((T, H, D), (2**29, D, 1))
+    heads_apart = lambda: torch.empty(2**29 * (H - 1) + T * D, dtype=torch.bfloat16, device="cuda").as_strided((T, H, D), (D, 2**29, 1))
+    q_wide = {"q and out rows": rows_apart, "out rows": lambda: q.clone(), "q heads": heads_apart}[wide]()
+    out_wide = rows_apart() if wide != "q heads" else torch.empty_like(q)
+    q_wide.copy_(q)
+    out_wide.fill_(float("nan"))
+    got = paged_prefill_attention(q_wide, k_cache, v_cache, tables, lens, cu, D**-0.5, out=out_wide)
     assert torch.equal(got.clone(), prefill(q, k_cache, v_cache, tables, lens, cu))
 
 
