@@ -610,5 +610,6 @@ def main(argv=None):
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
     pa.emit(res, args.out)
 
+
 if __name__ == "__main__":
     main()

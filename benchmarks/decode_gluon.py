@@ -2,9 +2,9 @@
 
 Chapter 13's sweeps left every Triton design of the decode kernel behind cuDNN's SDPA at batch 64, and the bounds of
 decode_alternatives.py (--designs bound) showed why: chapter 9's kernel with its softmax taken out, or with nothing
-but its loads, is still slower there. What cuDNN does on Hopper and Triton's pipeliner cannot is to give the loads
-warps of their own. This kernel does, in Gluon (Triton's lower-level language, where layouts, shared memory and
-barriers are written out):
+but its loads, is still slower there. FlashAttention 3's Hopper kernels give their loads warps of their own, which
+Triton's pipeliner cannot do. This kernel does, in Gluon (Triton's lower-level language, where layouts, shared memory
+and barriers are written out):
 
   a load warp    walks the split's block ids and copies each (block, KV head) of 16 positions with the tensor-memory
                  accelerator (TMA) into a ring of STAGES shared-memory tiles of BLOCK_N positions; an mbarrier per

@@ -296,14 +296,12 @@ def git_commit() -> dict:
         return {"git_commit": "unknown", "git_dirty": None}
 
 
-
 def run_header(benchmark: str) -> dict:
     "The fields a design script's record starts with: what ran, on which GPU and versions, when, at which commit, how timed."
     return {"benchmark": benchmark, "device": torch.cuda.get_device_name(), "sms": kernels._num_sms(torch.device(DEVICE)),
             "versions": {"torch": torch.__version__, "triton": triton.__version__},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **git_commit(),
             "timer": "triton.testing.do_bench median of CUDA-graph replays, L2 flushed; microseconds"}
-
 
 
 def decode_case(model: str, B: int, S: int) -> tuple:
@@ -314,6 +312,7 @@ def decode_case(model: str, B: int, S: int) -> tuple:
     scale = D**-0.5
     return q, k_cache, v_cache, tables, lens, torch.empty_like(q), scale, \
         paged_decode_attention(q, k_cache, v_cache, tables, lens, scale).float()
+
 
 def graphed_us(fn) -> float:
     "Microseconds of fn replayed from a CUDA graph (bench's median)."
@@ -332,6 +331,7 @@ def time_designs(runs: dict, out: torch.Tensor, ref: torch.Tensor, row: dict, lo
         except Exception as e:
             row["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             log(f"  {name} failed: {row['failed'][name]}")
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -50,5 +50,6 @@ def main(argv=None):
             rows.append(row)
     pa.emit({**pa.run_header("prefill_row_offsets"), "rows": rows}, args.out)
 
+
 if __name__ == "__main__":
     main()
