@@ -8,7 +8,7 @@ a fused kernel (chapter 9b), and it measures what that budget costs the KV cache
 
     python benchmarks/engine_defaults.py --out engine_defaults.json [benchmarks/configs/Qwen3-0.6B ...]
 """
-import argparse, gc, json, random, sys, time, traceback
+import argparse, gc, random, sys, time, traceback
 from pathlib import Path
 
 import torch

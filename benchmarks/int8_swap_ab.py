@@ -15,7 +15,7 @@ dispatch by shape for about 10 %, still short of bf16, was not worth its lines.
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import json, sys, os, itertools
+import json, sys, os
 import torch, triton, triton.language as tl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]

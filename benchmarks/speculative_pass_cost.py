@@ -10,7 +10,7 @@ timings of 50 calls), where the launches of ~15 kernels a layer can take longer 
 
     python benchmarks/speculative_pass_cost.py --out benchmarks/results/speculative_pass_cost_h200.json
 """
-import argparse, datetime, json, statistics, sys
+import argparse, datetime, statistics, sys
 from pathlib import Path
 
 import torch
