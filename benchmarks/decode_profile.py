@@ -4,7 +4,7 @@ Chapter 13 (section 11) left chapter 9's decode kernel behind SDPA's cuDNN backe
 it measured could close the gap. This script asks the profiler what the two kernels are: grid, threads, registers,
 shared memory, how many programs an SM holds, the bytes they read from DRAM, how busy the SMs are, and what their
 warps wait on. Each shape runs SDPA (cuDNN, on the same data laid out contiguously), chapter 9's kernel as the library
-launches it, and the same kernel at one split, one call each, under `ncu` with the L2 cache flushed before every
+launches it, the same kernel at one split, and at cuDNN's tile and grids (CUDNN_LIKE), one call each, under `ncu` with the L2 cache flushed before every
 kernel and the clocks left alone. The parent process runs ncu on itself and writes one JSON record.
 
     python benchmarks/decode_profile.py --out decode_profile.json
@@ -21,8 +21,9 @@ from paged_attention import (MODELS, contiguous_kv, decode_case, emit, forced_de
                              sdpa_backends)
 from nanoserve.kernels import paged_decode_attention
 
-SHAPES = ["Llama-3.2-1B:8:512", "Llama-3.2-1B:8:16384", "Llama-3.2-1B:64:4096", "Llama-3.2-1B:64:16384",
-          "Llama-3.2-1B:256:4096", "Qwen3-0.6B:8:512", "Qwen3-0.6B:64:4096"]
+SHAPES = ["Llama-3.2-1B:8:512", "Llama-3.2-1B:8:4096", "Llama-3.2-1B:8:16384", "Llama-3.2-1B:64:4096",
+          "Llama-3.2-1B:64:16384", "Llama-3.2-1B:256:4096", "Qwen3-0.6B:8:512", "Qwen3-0.6B:8:4096", "Qwen3-0.6B:64:4096",
+          "Qwen3-0.6B:64:16384"]
 BASIC = ["gpu__time_duration.sum", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
          "launch__occupancy_limit_registers", "dram__bytes_read.sum", "sm__warps_active.avg.pct_of_peak_sustained_active"]
 METRICS = BASIC + [
@@ -37,15 +38,23 @@ METRICS = BASIC + [
     "smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct", "smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct"]
 
 
+CUDNN_LIKE = {8: (1, 4), 64: (1,), 256: (1,)}  # batch -> split counts of the library kernel at cuDNN's tile and grid
+CUDNN_LIKE_TILE = (128, 4, 3)  # 128 keys, 4 warps (cuDNN's 128 threads) and one buffer
+
+
 def designs(model: str, B: int, S: int) -> dict:
-    "name -> a call: SDPA's cuDNN backend on contiguous K/V, the library kernel, and the library kernel at one split."
+    """name -> a call: SDPA's cuDNN backend on contiguous K/V, the library kernel, the library kernel at one split, and
+    the library kernel at CUDNN_LIKE_TILE and the split counts of CUDNN_LIKE (cuDNN's grids, as a first run found them)."""
     q, k_cache, v_cache, tables, lens, out, scale, _ = decode_case(model, B, S)
     k4, v4 = contiguous_kv(k_cache, tables, S), contiguous_kv(v_cache, tables, S)
     ours = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
-    def one_split():
-        with forced_decode(max_splits=1): ours()
-    return {"sdpa_cudnn": sdpa_call(q[:, :, None], k4, v4, scale, sdpa_backends()["cudnn"]), "ours": ours,
-            "ours_1split": one_split}
+    def forced(tile, splits):
+        with forced_decode(tile): paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)
+    runs = {"sdpa_cudnn": sdpa_call(q[:, :, None], k4, v4, scale, sdpa_backends()["cudnn"]), "ours": ours,
+            "ours_1split": lambda: forced(None, 1)}
+    for splits in CUDNN_LIKE.get(B, ()):
+        runs[f"ours_{'x'.join(map(str, CUDNN_LIKE_TILE))}_{splits}split"] = lambda splits=splits: forced(CUDNN_LIKE_TILE, splits)
+    return runs
 
 
 def child(shapes: list[str], manifest: Path):
