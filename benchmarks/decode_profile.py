@@ -103,7 +103,7 @@ def by_design(kernels: list, order: list) -> list:
         elif current is not None:
             current.append(k)
     if len(pieces) != len(order):
-        raise RuntimeError(f"{len(pieces)} markers in the profile, {len(order)} designs run")
+        raise RuntimeError(f"{len(pieces)} markers in the profile for {len(order)} designs")
     return [{**o, "kernels": p} for o, p in zip(order, pieces)]
 
 

@@ -3,7 +3,8 @@
 Decode attention in bf16 for the KV shapes of Llama-3.2-1B (32 query heads, 8 KV heads of 64) and Qwen3-0.6B
 (16 query heads, 8 KV heads of 128), batch 1/8/64/256 x context 512/4096/16384, blocks of 16 scattered at random
 over a pool laid out as the engine's PagedKVCache (head-major inside a block, chapter 8b). Each time is the median of triton.testing.do_bench, which zeroes a 256 MB buffer before every call,
-so the L2 cache holds none of the inputs. Bandwidth = decode_attention_bytes / time, compared with a large
+so the L2 cache holds none of the inputs (--flush read sums it instead, so that the timed call finds no dirty lines
+to write back; chapter 13, section 12). Bandwidth = decode_attention_bytes / time, compared with a large
 device-to-device copy measured in the same run ((bytes read + bytes written) / time), and the time compared with
 torch's scaled_dot_product_attention on the same data laid out contiguously ([B, K, S, D], enable_gqa=True;
 uniform lengths, so SDPA wastes nothing on padding), best of its backends.
@@ -12,6 +13,7 @@ uniform lengths, so SDPA wastes nothing on padding), best of its backends.
     python benchmarks/paged_attention.py --quick              # the goal configurations only
     python benchmarks/paged_attention.py --sweep --quick      # try split heuristics, print the best
     python benchmarks/paged_attention.py --decode-tile 64 4 2 --quick   # one decode tile everywhere, not DECODE_TILES
+    python benchmarks/paged_attention.py --no-prefill --flush read      # empty the L2 by reading, not zeroing
 
 The decode tile (keys per iteration, warps, pipeline stages) comes from nanoserve.kernels.DECODE_TILES by the number
 of programs per SM. benchmarks/decode_ragged.py chose that table on ragged batches like the engine's;

@@ -818,3 +818,22 @@ def test_gpu_an_8_bit_cache_at_real_shapes(shape):
     pre = fp8_batch(lens[:6], [1, 15, 16, 17, 300, 512], H, K, D, torch.bfloat16, seed=13)
     torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])
 
+
+
+def test_the_decode_profile_gives_each_kernel_to_the_design_that_launched_it(monkeypatch):
+    """benchmarks/decode_profile.py (chapter 13, section 12) cuts Nsight Compute's list of kernels at the spin kernels it
+    launches between designs, and refuses a profile whose markers do not match the designs it ran."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from decode_profile import by_design
+    kernel = lambda name: {"Kernel Name": name}
+    profiled = [kernel("at::cuda::(anonymous namespace)::spin_kernel(long)"), kernel("cudnn_generated_fort_native_sdpa"),
+                kernel("void cudnn::lean_reduction_kernel"), kernel("at::cuda::(anonymous namespace)::spin_kernel(long)"),
+                kernel("_decode_kernel"), kernel("_decode_reduce_kernel")]
+    order = [{"shape": "Llama-3.2-1B:8:4096", "design": "sdpa_cudnn"}, {"shape": "Llama-3.2-1B:8:4096", "design": "ours"}]
+    got = by_design(profiled, order)
+    assert [(d["design"], [k["Kernel Name"] for k in d["kernels"]]) for d in got] == [
+        ("sdpa_cudnn", ["cudnn_generated_fort_native_sdpa", "void cudnn::lean_reduction_kernel"]),
+        ("ours", ["_decode_kernel", "_decode_reduce_kernel"])]
+    with pytest.raises(RuntimeError, match="2 markers in the profile for 1 designs"):
+        by_design(profiled, order[:1])
