@@ -9,10 +9,11 @@ kernel and the clocks left alone. The parent process runs ncu on itself and writ
 
     python benchmarks/decode_profile.py --out decode_profile.json
     python benchmarks/decode_profile.py --shapes Llama-3.2-1B:64:16384     # one shape
+    python benchmarks/decode_profile.py --deeper --shapes Llama-3.2-1B:8:512  # also two buffers at cuDNN's grid
 
 Needs a CUDA GPU and `ncu` on PATH (or in $NCU). Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, csv, io, json, os, shutil, subprocess, sys
+import argparse, csv, io, itertools, json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import torch
@@ -40,9 +41,10 @@ METRICS = BASIC + [
 
 CUDNN_LIKE = {8: (1, 4), 64: (1,), 256: (1,)}  # batch -> split counts of the library kernel at cuDNN's tile and grid
 CUDNN_LIKE_TILE = (128, 4, 3)  # 128 keys, 4 warps (cuDNN's 128 threads) and one buffer
+DEEPER_TILES = [(128, 4, 5)]  # --deeper: the same with two buffers (Triton gives (stages - 1) // 2, chapter 13 section 10)
 
 
-def designs(model: str, B: int, S: int) -> dict:
+def designs(model: str, B: int, S: int, deeper: bool = False) -> dict:
     """name -> a call: SDPA's cuDNN backend on contiguous K/V, the library kernel, the library kernel at one split, and
     the library kernel at CUDNN_LIKE_TILE and the split counts of CUDNN_LIKE (cuDNN's grids, as a first run found them)."""
     q, k_cache, v_cache, tables, lens, out, scale, _ = decode_case(model, B, S)
@@ -52,17 +54,17 @@ def designs(model: str, B: int, S: int) -> dict:
         with forced_decode(tile): paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, out)
     runs = {"sdpa_cudnn": sdpa_call(q[:, :, None], k4, v4, scale, sdpa_backends()["cudnn"]), "ours": ours,
             "ours_1split": lambda: forced(None, 1)}
-    for splits in CUDNN_LIKE.get(B, ()):
-        runs[f"ours_{'x'.join(map(str, CUDNN_LIKE_TILE))}_{splits}split"] = lambda splits=splits: forced(CUDNN_LIKE_TILE, splits)
+    for tile, splits in itertools.product([CUDNN_LIKE_TILE, *(DEEPER_TILES if deeper else [])], CUDNN_LIKE.get(B, ())):
+        runs[f"ours_{'x'.join(map(str, tile))}_{splits}split"] = lambda tile=tile, splits=splits: forced(tile, splits)
     return runs
 
 
-def child(shapes: list[str], manifest: Path):
+def child(shapes: list[str], manifest: Path, deeper: bool):
     "Run every design of every shape once between markers, inside the profiled range; write what ran, in order."
     order = []
     for shape in shapes:
         model, B, S = shape.split(":")
-        runs = designs(model, int(B), int(S))
+        runs = designs(model, int(B), int(S), deeper)
         for fn in runs.values(): fn()  # compile and pick kernels outside the profiled range
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
@@ -77,20 +79,23 @@ def child(shapes: list[str], manifest: Path):
     manifest.write_text(json.dumps(order))
 
 
-def profile(shapes: list[str], metrics: list[str], workdir: Path) -> tuple[list, list]:
-    "ncu over the child; returns the kernels it profiled (a dict of metrics each) and the child's design order."
+def profile(shapes: list[str], metrics: list[str], workdir: Path, deeper: bool) -> tuple[list, list, dict]:
+    """ncu over the child; returns the kernels it profiled (a dict of metrics each), the child's design order, and the
+    metrics' units as ncu printed them (the raw page's are base units: ns, bytes)."""
     ncu = os.environ.get("NCU") or shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     manifest = workdir / "decode_profile_order.json"
     cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none",
            "--cache-control", "all", "--metrics", ",".join(metrics), sys.executable, __file__, "--child",
-           "--manifest", str(manifest), "--shapes", *shapes]
+           "--manifest", str(manifest), "--shapes", *shapes, *(["--deeper"] if deeper else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ncu exited {done.returncode}: {done.stderr[-2000:]}")
     text = done.stdout[done.stdout.index('"ID"'):]  # the CSV starts after the child's and ncu's own lines
-    rows = [r for r in csv.DictReader(io.StringIO(text)) if r.get("ID", "").isdigit()]
+    rows = list(csv.DictReader(io.StringIO(text)))
+    units = next((r for r in rows if not r.get("ID", "").isdigit()), {})  # the row under the header
     keep = ["Kernel Name", "Grid Size", "Block Size", *metrics]
-    return [{k: r.get(k) for k in keep if k in r} for r in rows], json.loads(manifest.read_text())
+    return ([{k: r.get(k) for k in keep if k in r} for r in rows if r.get("ID", "").isdigit()],
+            json.loads(manifest.read_text()), {k: units[k] for k in metrics if units.get(k)})
 
 
 def by_design(kernels: list, order: list) -> list:
@@ -111,23 +116,25 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="model:batch:context, the model one of " + ", ".join(MODELS))
+    p.add_argument("--deeper", action="store_true", help="also the cuDNN-like tile with two buffers (DEEPER_TILES)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--manifest", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.shapes, args.manifest)
+        return child(args.shapes, args.manifest, args.deeper)
     if not torch.cuda.is_available(): sys.exit("needs a CUDA GPU")
     res = {**run_header("decode_profile"), "timer": "Nsight Compute gpu__time_duration of one call (ns), clocks not "
-           "locked, caches flushed before every kernel", "shapes": args.shapes}
+           "locked, caches flushed before every kernel", "shapes": args.shapes, "deeper": args.deeper}
     workdir = (args.out.parent if args.out else Path.cwd())
     try:
-        kernels, order = profile(args.shapes, METRICS, workdir)
+        kernels, order, units = profile(args.shapes, METRICS, workdir, args.deeper)
         res["metrics"] = "full"
-    except RuntimeError as e:  # a metric this ncu does not know: fall back to the ones an earlier run used
-        log(f"full metric set failed ({str(e)[:300]}); retrying with the basic set")
-        kernels, order = profile(args.shapes, BASIC, workdir)
+    except RuntimeError as e:
+        if "metric" not in str(e).lower(): raise
+        log(f"full metric set failed ({str(e)[:300]}); retrying with the basic set")  # one this ncu does not know
+        kernels, order, units = profile(args.shapes, BASIC, workdir, args.deeper)
         res["metrics"] = "basic"
-    res["designs"] = by_design(kernels, order)
+    res["units"], res["designs"] = units, by_design(kernels, order)
     emit(res, args.out)
 
 

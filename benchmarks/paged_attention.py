@@ -65,17 +65,18 @@ FLUSH = "write"  # how bench empties the L2 cache before each call: "write" (do_
 @contextlib.contextmanager
 def read_flush():
     """do_bench's L2 flush made a read: its own zeroes a 256 MB buffer, which leaves the L2 full of dirty lines that
-    the timed call must write back as its reads evict them (up to 50 MB on an H100 or H200). Summing the buffer
-    empties the L2 of the inputs all the same and leaves nothing to write back."""
+    the timed call must write back as its reads evict them (as many as the L2 holds: 50 MiB on an H100, 60 on an
+    H200). Summing the buffer empties the L2 of the inputs all the same and leaves nothing to write back."""
     driver = triton.runtime.driver.active
     if "clear_cache" not in inspect.getsource(triton.testing.do_bench):
         raise RuntimeError(f"triton {triton.__version__}: do_bench does not flush through driver.clear_cache")
-    saved = driver.clear_cache
+    own = vars(driver).get("clear_cache")  # None: the method comes from the driver's class
     driver.clear_cache = lambda cache: cache.sum()
     try:
         yield
     finally:
-        driver.clear_cache = saved
+        if own is None: del driver.clear_cache
+        else: driver.clear_cache = own
 
 
 def bench(fn) -> dict:
