@@ -37,12 +37,13 @@ Times are the median of triton.testing.do_bench over CUDA-graph replays with L2 
 
     python benchmarks/decode_alternatives.py --out decode_alternatives.json        # ~4 min on an H100
     python benchmarks/decode_alternatives.py --designs TMA deep                     # some designs only
-    python benchmarks/decode_alternatives.py --buffers      # num_stages -> buffers Triton gives a tile (no GPU needed)
+    python benchmarks/decode_alternatives.py --buffers      # num_stages -> buffers Triton gives a tile, and the loop's
+                                                            # schedule of waits, copies and products (no GPU needed)
     TRITON_INTERPRET=1 python benchmarks/decode_alternatives.py --cpu-check        # the kernels against the library's
 
 Progress goes to stderr; stdout gets only the JSON.
 """
-import argparse, itertools, json, math, sys, time
+import argparse, itertools, json, math, re, sys, time
 from pathlib import Path
 
 import torch
@@ -531,9 +532,9 @@ def measure(models, cells, designs, log) -> list:
     return rows
 
 
-def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4) -> dict:
-    "num_stages -> how many (BLOCK_N, D) key buffers Triton's pipeliner gives the library kernel, compiled for sm_90 (no GPU needed)."
-    import re
+def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4) -> tuple[dict, dict]:
+    """num_stages -> how many (BLOCK_N, D) key buffers Triton's pipeliner gives the library kernel, compiled for sm_90 (no
+    GPU needed), and num_stages -> the loop's schedule of waits, copies and products (loop_schedule)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = kernels._decode_kernel
@@ -546,13 +547,23 @@ def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4)
     # as at a launch on the engine's pools: pointers and strides are multiples of 16 (stride_bt is not specialized)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if name in ptrs or name.startswith("stride_") and name != "stride_bt"}
-    found = {}
+    buffers, schedules = {}, {}
     for num_stages in stages:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
         ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ttgir"]
         shapes = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{block_n}x{head_dim}xbf16", ttgir)
-        found[num_stages] = int(shapes[0]) if shapes else 0  # 0: loaded straight into registers
-    return found
+        buffers[num_stages] = int(shapes[0]) if shapes else 0  # 0: loaded straight into registers
+        schedules[num_stages] = loop_schedule(ttgir)
+    return buffers, schedules
+
+
+def loop_schedule(ttgir: str) -> list[str]:
+    """The order of the decode loop's waits, copies and products in compiled TTGIR: "wait N" (until at most N groups of
+    copies are still in flight), "copy" (an asynchronous copy into shared memory), "dot"."""
+    body = ttgir[ttgir.index("scf.for"):]
+    body = body[:body.index("scf.yield")]
+    ops = re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)|(ttg\.async_copy_global_to_local)|(tt\.dot )", body)
+    return [f"wait {w}" if w else "copy" if c else "dot" for w, c, _ in ops]
 
 
 def _with_tile(tile, fn):
@@ -596,8 +607,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     if args.buffers:
+        buffers, schedules = pipeline_buffers()
         print(json.dumps({"triton": triton.__version__, "kernel": "_decode_kernel, BLOCK_N 128, D 64, 4 warps, sm_90",
-                          "num_stages -> key buffers": pipeline_buffers()}))
+                          "num_stages -> key buffers": buffers, "num_stages -> loop schedule": schedules}))
         return
     if args.cpu_check:
         worst = cpu_check()

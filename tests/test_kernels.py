@@ -775,15 +775,24 @@ def test_the_evict_first_variant_differs_from_the_kernel_only_in_its_hint():
 
 
 def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stages():
-    "What chapter 13 says of num_stages: Triton's pipeliner gives the decode kernel's gathered tiles (num_stages - 1) // 2 buffers (sm_90)."
+    """What chapter 13 says of num_stages: Triton's pipeliner gives the decode kernel's gathered tiles (num_stages - 1) // 2
+    buffers (sm_90), and with one buffer a program's copies wait for its products (section 12)."""
     import json, os, subprocess, sys
     from pathlib import Path
     script = Path(__file__).parent.parent / "benchmarks" / "decode_alternatives.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, no GPU needed
     done = subprocess.run([sys.executable, str(script), "--buffers"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    buffers = json.loads(done.stdout)["num_stages -> key buffers"]
+    found = json.loads(done.stdout)
+    buffers, schedules = found["num_stages -> key buffers"], found["num_stages -> loop schedule"]
     assert buffers == {str(s): 0 if s == 1 else max(1, (s - 1) // 2) for s in range(1, 10)}, buffers
+    # chapter 13, section 12: with one buffer the loop waits for every copy before its products and issues the next
+    # tile's copies after them, so a program's loads never overlap its own arithmetic; each further buffer leaves one
+    # more tile's copies (keys, values, block ids) in flight
+    assert schedules["1"] == ["dot", "dot"], schedules
+    for s in range(2, 10):
+        wait, *rest = schedules[str(s)]
+        assert wait == f"wait {3 * (buffers[str(s)] - 1)}" and rest[:2] == ["dot", "dot"] and set(rest[2:]) == {"copy"}, schedules
 
 
 def test_the_warp_specialised_gluon_kernel_compiles_for_hopper():
