@@ -560,9 +560,14 @@ def pipeline_buffers(stages=range(1, 10), head_dim=64, block_n=128, num_warps=4)
 def loop_schedule(ttgir: str) -> list[str]:
     """The order of the decode loop's waits, copies and products in compiled TTGIR: "wait N" (until at most N groups of
     copies are still in flight), "copy" (an asynchronous copy into shared memory), "dot"."""
-    body = ttgir[ttgir.index("scf.for"):]
-    body = body[:body.index("scf.yield")]
-    ops = re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)|(ttg\.async_copy_global_to_local)|(tt\.dot )", body)
+    loop = ttgir.index("scf.for")  # the body opens with the last brace of the loop's line (its types hold balanced ones)
+    start = ttgir.rindex("{", loop, ttgir.index("\n", loop))  # then match braces to its end, nested regions and all
+    depth, end = 0, start
+    for end, ch in enumerate(ttgir[start:], start):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0: break
+    ops = re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)|(ttg\.async_copy_global_to_local)|(tt\.dot |warp_group_dot )",
+                     ttgir[start:end])
     return [f"wait {w}" if w else "copy" if c else "dot" for w, c, _ in ops]
 
 

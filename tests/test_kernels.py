@@ -792,7 +792,8 @@ def test_a_block_table_addressed_tile_gets_a_buffer_for_every_two_pipeline_stage
     assert schedules["1"] == ["dot", "dot"], schedules
     for s in range(2, 10):
         wait, *rest = schedules[str(s)]
-        assert wait == f"wait {3 * (buffers[str(s)] - 1)}" and rest[:2] == ["dot", "dot"] and set(rest[2:]) == {"copy"}, schedules
+        copies = ["copy"] * (2 if s == 2 else 3)  # keys and values, and from 3 stages the next block ids too
+        assert wait == f"wait {3 * (buffers[str(s)] - 1)}" and rest == ["dot", "dot", *copies], schedules
 
 
 def test_the_warp_specialised_gluon_kernel_compiles_for_hopper():
