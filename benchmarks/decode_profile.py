@@ -4,8 +4,9 @@ Chapter 13 (section 11) left chapter 9's decode kernel behind SDPA's cuDNN backe
 it measured could close the gap. This script asks the profiler what the two kernels are: grid, threads, registers,
 shared memory, how many programs an SM holds, the bytes they read from DRAM, how busy the SMs are, and what their
 warps wait on. Each shape runs SDPA (cuDNN, on the same data laid out contiguously), chapter 9's kernel as the library
-launches it, the same kernel at one split, and at cuDNN's tile and grids (CUDNN_LIKE), one call each, under `ncu` with the L2 cache flushed before every
-kernel and the clocks left alone. The parent process runs ncu on itself and writes one JSON record.
+launches it, the same kernel at one split, and at cuDNN's tile and grids (CUDNN_LIKE), one call each, under `ncu`
+with the L2 cache flushed before every kernel and the clocks left alone. The parent process runs ncu on itself and
+writes one JSON record.
 
     python benchmarks/decode_profile.py --out decode_profile.json
     python benchmarks/decode_profile.py --shapes Llama-3.2-1B:64:16384     # one shape
@@ -36,7 +37,6 @@ METRICS = ["gpu__time_duration.sum", "launch__grid_size", "launch__block_size", 
     "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct", "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
     "smsp__warp_issue_stalled_wait_per_warp_active.pct", "smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct",
     "smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct", "smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct"]
-
 
 CUDNN_LIKE = {8: (1, 4), 64: (1,), 256: (1,)}  # batch -> split counts of the library kernel at cuDNN's tile and grid
 CUDNN_LIKE_TILE = (128, 4, 3)  # 128 keys, 4 warps (cuDNN's 128 threads) and one buffer

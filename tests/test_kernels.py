@@ -829,7 +829,6 @@ def test_gpu_an_8_bit_cache_at_real_shapes(shape):
     torch.testing.assert_close(prefill(*pre), reference(*pre), **TOL[torch.bfloat16])
 
 
-
 def test_the_decode_profile_gives_each_kernel_to_the_design_that_launched_it(monkeypatch):
     """benchmarks/decode_profile.py (chapter 13, section 12) cuts Nsight Compute's list of kernels at the spin kernels it
     launches between designs, and refuses a profile whose markers do not match the designs it ran."""
